@@ -1,0 +1,1 @@
+"""Prefix cache behind a small interface: a radix tree over token ids, and a no-op cache."""

@@ -1,0 +1,1 @@
+"""The engine: configuration, requests, scheduler, memory pools, model execution, sampling."""

@@ -1,0 +1,75 @@
+"""The attention-backend interface (DESIGN.md §4).
+
+A backend is created once per model runner. Before each forward step the runner calls
+`init_forward_metadata(batch)`; each attention layer then calls `forward(q, k, v, layer, batch)`,
+which stores the new tokens' K/V in the pool at `batch.out_cache_loc` and returns the attention
+output. Backends differ only in how they compute; the KV layout (`KVPool`, `req_to_token`) is
+shared, so a model never knows which backend runs it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from arborlm.runtime.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Static facts about one attention layer."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class AttentionBackend(abc.ABC):
+    """Base class; subclasses implement `forward_extend` and `forward_decode`."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Precompute whatever the layers of this step share (index tensors, masks, plans)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        """q `[T, num_heads*head_dim]`, k/v `[T, num_kv_heads*head_dim]` -> `[T, num_heads*head_dim]`."""
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.mode.is_decode:
+            out = self.forward_decode(q, layer, batch)
+        else:
+            out = self.forward_extend(q, layer, batch)
+        return out.reshape(-1, layer.num_heads * layer.head_dim)
+
+    @abc.abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec,
+                       batch: ForwardBatch) -> torch.Tensor:
+        """q `[T, H, D]` for the new tokens; K/V of prefix + new tokens are in the pool."""
+
+    @abc.abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec,
+                       batch: ForwardBatch) -> torch.Tensor:
+        """q `[B, H, D]`, one token per request; its K/V is already in the pool."""
+
+
+def create_attention_backend(name: str, model_runner_device: str) -> AttentionBackend:
+    """Registry: backends are imported lazily so `import arborlm` never pulls Triton/FlashInfer."""
+    if name == "torch_native":
+        from arborlm.runtime.attention.torch_native import TorchNativeBackend
+
+        return TorchNativeBackend()
+    if name == "triton":
+        from arborlm.runtime.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    if name == "flashinfer":
+        from arborlm.runtime.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(model_runner_device)
+    raise ValueError(f"unknown attention backend {name!r}")

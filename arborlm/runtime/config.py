@@ -1,0 +1,195 @@
+"""Engine configuration: a few frozen dataclasses, each field documented once.
+
+`EngineArgs` holds what the user sets (names follow SGLang's server arguments); `resolve()`
+turns "auto" values into concrete ones and returns a frozen `EngineConfig`. The field docs
+double as CLI help (see `arborlm.server`). `ModelConfig` is what the runtime needs to know about
+a checkpoint, read from its `config.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arborlm.errors import InvalidRequestError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _doc(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """User-facing options. `None` / "auto" values are resolved by `resolve()`."""
+
+    model_path: str | None = _doc(
+        "Hugging Face model directory; default: the built-in default model (random weights).",
+        default=None)
+    tokenizer_path: str | None = _doc("Tokenizer directory; default: the model directory.",
+                                      default=None)
+    dtype: str = _doc("Weight and activation dtype: auto (the checkpoint's), float32, bfloat16, "
+                      "float16.", default="auto")
+    device: str = _doc("Device: cpu or cuda.", default="cpu")
+    max_total_tokens: int | None = _doc(
+        "KV cache capacity in tokens; default: from mem_fraction of available memory.",
+        default=None)
+    mem_fraction: float = _doc("Fraction of free memory the KV pool may take when "
+                               "max_total_tokens is not given.", default=0.25)
+    max_running_requests: int = _doc("Most requests decoding at once.", default=256)
+    max_prefill_tokens: int = _doc("Most new prompt tokens admitted in one prefill step.",
+                                   default=8192)
+    chunked_prefill_size: int = _doc("Prompts longer than this are prefilled in chunks of this "
+                                     "many tokens; -1 disables chunking.", default=2048)
+    context_length: int | None = _doc("Longest prompt + output; default: the model's.",
+                                      default=None)
+    page_size: int = _doc("KV slots per page.", default=1)
+    schedule_policy: str = _doc("Waiting-queue order: fcfs, lpm, dfs-weight.", default="fcfs")
+    disable_radix_cache: bool = _doc("Turn off prefix reuse.", default=False)
+    attention_backend: str = _doc("Attention backend: auto, torch_native, triton, flashinfer.",
+                                  default="auto")
+    random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
+    grammar_backend: str = _doc("Grammar engine: xgrammar or outlines.", default="xgrammar")
+    debug_integrity: bool = _doc("Check KV-pool and cache invariants whenever the engine idles.",
+                                 default=False)
+
+    def resolve(self) -> EngineConfig:
+        from arborlm.runtime.models.factory import default_model_path
+
+        model_path = self.model_path or str(default_model_path())
+        model = ModelConfig.from_path(model_path, self.dtype, self.context_length)
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = _auto_attention_backend(self.device)
+        if backend not in ("torch_native", "triton", "flashinfer"):
+            raise InvalidRequestError(f"unknown attention_backend {backend!r}",
+                                      "attention_backend")
+        if self.schedule_policy not in ("fcfs", "lpm", "dfs-weight"):
+            raise InvalidRequestError(
+                f"schedule_policy must be fcfs, lpm or dfs-weight, got {self.schedule_policy!r}",
+                "schedule_policy")
+        if self.page_size < 1:
+            raise InvalidRequestError("page_size must be >= 1", "page_size")
+        chunk = self.chunked_prefill_size
+        if chunk is not None and chunk != -1 and chunk < self.page_size:
+            raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
+                                      "chunked_prefill_size")
+        return EngineConfig(args=self, model=model, attention_backend=backend,
+                            tokenizer_path=self.tokenizer_path or model_path)
+
+
+def _auto_attention_backend(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        try:
+            import flashinfer  # noqa: F401
+
+            return "flashinfer"
+        except ImportError:
+            return "triton"
+    return "torch_native"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resolved configuration: no "auto" left."""
+
+    args: EngineArgs
+    model: ModelConfig
+    attention_backend: str
+    tokenizer_path: str
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of a Hugging Face `config.json` the runtime uses."""
+
+    path: str
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    hf_config: dict[str, Any]
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike, dtype: str = "auto",
+                  context_length: int | None = None) -> ModelConfig:
+        p = Path(path)
+        if not p.is_dir():
+            raise ModelLoadError(f"model directory not found: {p}")
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"no config.json in model directory {p}")
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"config.json in {p} is not valid JSON: {e}") from e
+        archs = hf.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
+                    None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or hf.get('model_type')!r} in {p}; supported: "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        ctx = hf.get("max_position_embeddings", 4096)
+        if context_length is not None:
+            ctx = context_length
+        return cls(
+            path=str(p),
+            architecture=arch,
+            hf_config=hf,
+            dtype=_resolve_dtype(dtype, hf),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            context_length=ctx,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+        )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
+    if dtype == "auto":
+        name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        if name not in DTYPES:
+            name = "float32"
+        return DTYPES[name]
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}",
+                                  "dtype")
+    return DTYPES[dtype]

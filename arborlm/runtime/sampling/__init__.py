@@ -1,0 +1,1 @@
+"""Sampling: logits processing (penalties, bias, masks), token choice, logprobs."""

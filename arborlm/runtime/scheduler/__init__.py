@@ -1,0 +1,1 @@
+"""The scheduler: waiting queue and policies, admission budget, decode set, the step loop."""
