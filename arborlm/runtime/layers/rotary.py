@@ -1,0 +1,129 @@
+"""Rotary position embeddings (RoPE) with a precomputed cos/sin table, incl. Llama 3 scaling.
+
+`rope_parameters(hf_config)` reads the rope settings from a `config.json` dict in either
+layout: the classic `rope_theta` + `rope_scaling` keys, or transformers 5's `rope_parameters`.
+`RotaryEmbedding` computes the inverse frequencies the way `transformers` does (same formulas,
+float32), builds cos/sin for every position up to the context length once, and at run time only
+indexes that table by position. The table is stored in the model dtype: `transformers` casts
+its float32 cos/sin to the activation dtype before rotating, so this is the same arithmetic.
+
+Supported rope types: default, linear, llama3, and dynamic (NTK) within the original context
+(where it equals the default). YaRN, LongRoPE and partial rotary are not supported: they raise
+`ModelLoadError` when the model is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from arborlm.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class RopeParameters:
+    """Rope settings resolved from a Hugging Face config."""
+
+    rope_type: str  # "default" | "linear" | "llama3" | "dynamic"
+    theta: float
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_parameters(hf: dict[str, Any]) -> RopeParameters:
+    """Read rope settings from a `config.json` dict (old or transformers-5 layout)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial rotary embeddings (factor {partial}) are not supported")
+    max_pos = hf.get("max_position_embeddings", 4096)
+    if rope_type == "default":
+        return RopeParameters("default", float(theta))
+    if rope_type in ("linear", "dynamic"):
+        return RopeParameters(rope_type, float(theta), factor=float(merged["factor"]))
+    if rope_type == "llama3":
+        orig = merged.get("original_max_position_embeddings",
+                          hf.get("original_max_position_embeddings", max_pos))
+        return RopeParameters("llama3", float(theta), factor=float(merged["factor"]),
+                              low_freq_factor=float(merged["low_freq_factor"]),
+                              high_freq_factor=float(merged["high_freq_factor"]),
+                              original_max_position_embeddings=int(orig))
+    raise ModelLoadError(f"rope type {rope_type!r} is not supported "
+                         "(supported: default, linear, llama3, dynamic)")
+
+
+def inverse_frequencies(params: RopeParameters, head_dim: int) -> torch.Tensor:
+    """`[head_dim // 2]` float32 inverse frequencies, as `transformers` computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (params.theta ** exponents)  # [D/2]
+    if params.rope_type == "linear":
+        return inv_freq / params.factor
+    if params.rope_type == "llama3":
+        return _llama3_scale(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, p: RopeParameters) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short ones kept, the
+    band between them interpolated smoothly (transformers' `_compute_llama3_parameters`)."""
+    old_ctx = p.original_max_position_embeddings
+    low_freq_wavelen = old_ctx / p.low_freq_factor
+    high_freq_wavelen = old_ctx / p.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / p.factor, inv_freq)
+    smooth = (old_ctx / wavelen - p.low_freq_factor) / (p.high_freq_factor - p.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / p.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """A cos/sin table for positions `[0, max_positions)`, applied to query and key heads.
+
+    Rotation follows the "rotate half" convention of Hugging Face Llama checkpoints: the first
+    and second halves of each head are the two coordinates of each rotated pair.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, params: RopeParameters,
+                 dtype: torch.dtype, max_position_embeddings: int):
+        super().__init__()
+        if params.rope_type == "dynamic" and max_positions > max_position_embeddings:
+            raise ModelLoadError(
+                f"dynamic NTK rope beyond the original {max_position_embeddings} positions is "
+                f"not supported; use context_length <= {max_position_embeddings}")
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        inv_freq = inverse_frequencies(params, head_dim)  # [D/2]
+        pos = torch.arange(max_positions, dtype=torch.float32)  # [P]
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] float32
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)  # [P, D/2]
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` `[T]`, each `[T, 1, D/2]` (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads `x` `[T, H, D]` by `cos`/`sin` `[T, 1, D/2]`; returns a new `[T, H, D]`.
+
+    Same products and sums, in the same dtype, as `x * cos + rotate_half(x) * sin` in
+    `transformers`, so the result is identical in bfloat16 too.
+    """
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]  # [T, H, D/2]
+    x2 = x[..., half:]
+    out = torch.empty_like(x)
+    torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
+    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
+    return out

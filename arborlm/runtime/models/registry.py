@@ -1,0 +1,50 @@
+"""Model registry: architecture name -> model class, and `load_model`, the one entry point that
+turns a `ModelConfig` into a ready model (built on the device in its dtype, weights loaded,
+eval mode).
+
+Architecture names are the ones `ModelConfig.from_path` resolves (it already rejects unknown
+`architectures` with `ModelLoadError`). Not here: reading config.json, or the attention backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from arborlm.errors import ModelLoadError
+from arborlm.runtime.config import ModelConfig
+from arborlm.runtime.models.llama import LlamaForCausalLM
+from arborlm.runtime.models.loader import iter_checkpoint
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,  # Llama 2/3 and Mistral
+    "qwen2": LlamaForCausalLM,  # + q/k/v bias
+    "qwen3": LlamaForCausalLM,  # + q/k RMSNorm
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    cls = MODEL_CLASSES.get(architecture)
+    if cls is None:
+        raise ModelLoadError(f"no model implementation for architecture {architecture!r}; "
+                             f"supported: {', '.join(sorted(MODEL_CLASSES))}")
+    return cls
+
+
+def load_model(config: ModelConfig, device: str = "cpu") -> nn.Module:
+    """Build the model for `config.architecture` on `device` in `config.dtype`, load its
+    safetensors weights (cast to that dtype as they are copied), and return it in eval mode.
+
+    Raises `ModelLoadError` (with the model directory) for missing or unreadable weight files,
+    missing, unexpected or misshapen tensors.
+    """
+    cls = get_model_class(config.architecture)
+    with torch.device(device):
+        model = cls(config)
+    try:
+        model.load_weights(iter_checkpoint(config.path, device=str(device)))
+    except ModelLoadError as e:
+        if config.path in str(e):
+            raise
+        raise ModelLoadError(f"{config.path}: {e}") from e
+    return model.eval()
