@@ -36,3 +36,7 @@ class EngineDeadError(ArborLMError):
 
 class GrammarError(InvalidRequestError):
     """A grammar (JSON schema, regex, EBNF, choices) is invalid, unsupported, or timed out."""
+
+
+class MessageDecodeError(ArborLMError, ValueError):
+    """Bytes received on an engine socket are not an encoded message of this ArborLM version."""
