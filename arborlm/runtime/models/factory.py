@@ -24,24 +24,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    LlamaConfig,
-    MistralConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
-)
-from transformers.utils import logging as hf_logging
+from typing import TYPE_CHECKING, Any
 
 from arborlm.runtime.models.corpus import training_corpus
+
+if TYPE_CHECKING:  # transformers and torch load lazily: reusing a cached model needs neither
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 FACTORY_VERSION = "v1"
 COMPLETE_MARKER = ".arborlm-complete"
@@ -52,15 +41,13 @@ SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, IM_START, IM_END)  # ids 0..5, in this ord
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
-_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
-    "llama": LlamaConfig, "llama3": LlamaConfig, "mistral": MistralConfig,
-    "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-}
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "llama3": "LlamaConfig", "mistral": "MistralConfig",
+                   "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 _ROPE_THETA = {"llama": 10000.0, "llama3": 500000.0, "mistral": 10000.0, "qwen2": 1000000.0,
                "qwen3": 1000000.0}
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
@@ -128,6 +115,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -152,6 +141,7 @@ def _cached_build(final: Path, build: Callable[[Path], None]) -> Path:
             shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
+            tmp.chmod(0o755)  # mkdtemp makes 0700; the cache may be shared
             build(tmp)
             (tmp / COMPLETE_MARKER).write_text(FACTORY_VERSION + "\n")
             os.rename(tmp, final)
@@ -162,6 +152,9 @@ def _cached_build(final: Path, build: Callable[[Path], None]) -> Path:
 
 
 def _train_tokenizer(vocab_size: int, out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -192,6 +185,8 @@ def build_tokenizer(vocab_size: int, out_dir: str | Path | None = None) -> PreTr
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + specials)")
+    from transformers import PreTrainedTokenizerFast
+
     cached = cache_root() / "tokenizers" / f"bpe-{vocab_size}-{FACTORY_VERSION}"
     _cached_build(cached, lambda d: _train_tokenizer(vocab_size, d))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cached))
@@ -219,32 +214,39 @@ def _make_config(arch: str, *, vocab_size: int, hidden_size: int, intermediate_s
         kwargs["sliding_window"] = None
     if arch in ("qwen2", "qwen3"):
         kwargs.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
-    config = _CONFIG_CLASSES[arch](**kwargs)
+    import torch
+    import transformers
+
+    config = getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
-    config.dtype = DTYPES[dtype]
+    config.dtype = getattr(torch, dtype)
     return config
 
 
-@torch.no_grad()
 def _init_weights(model: torch.nn.Module, seed: int, init_std: float) -> None:
     """Matrices ~ N(0, init_std); norm weights ~ 1 + 0.1 N(0, 1); biases ~ init_std N(0, 1).
 
     Norms and biases are deliberately far from their identity values, so a loader that drops
     them produces different logits.
     """
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if name.endswith(".bias"):
-            param.copy_(init_std * noise)
-        elif param.ndim == 1:
-            param.copy_(1.0 + 0.1 * noise)
-        else:
-            param.copy_(init_std * noise)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if name.endswith(".bias"):
+                param.copy_(init_std * noise)
+            elif param.ndim == 1:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(init_std * noise)
 
 
 def _reshard(path: Path, num_shards: int) -> None:
     """Split `model.safetensors` into `num_shards` files plus `model.safetensors.index.json`."""
+    from safetensors.torch import load_file, save_file
+
     single = path / "model.safetensors"
     tensors = load_file(str(single))
     names = list(tensors)
@@ -294,6 +296,9 @@ def build_model(path: str | Path, arch: str = "llama", *, vocab_size: int = 512,
     arch: "llama", "llama3" (Llama 3 rope scaling, rope_theta 5e5), "mistral", "qwen2" (qkv
     bias), "qwen3" (q/k RMSNorm). The same arguments give byte-identical tensors.
     """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     out = Path(path)
@@ -311,7 +316,7 @@ def build_model(path: str | Path, arch: str = "llama", *, vocab_size: int = 512,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, init_std)
-    model.to(DTYPES[dtype])
+    model.to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
         eos_token_id=[ids["eos_token_id"], tokenizer.convert_tokens_to_ids(IM_END)])
