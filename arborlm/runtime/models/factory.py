@@ -137,7 +137,7 @@ def _cached_build(final: Path, build: Callable[[Path], None]) -> Path:
     with _file_lock(final.parent / f".{final.name}.lock"):
         if (final / COMPLETE_MARKER).is_file():
             return final
-        if final.exists():  # an incomplete leftover from an older layout; rebuild it
+        if final.exists():  # not made by this function (it renames only complete builds)
             shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
@@ -313,8 +313,9 @@ def build_model(path: str | Path, arch: str = "llama", *, vocab_size: int = 512,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, dtype=dtype, rope_scaling=rope_scaling,
         special_ids=ids)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # seed without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, init_std)
     model.to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
