@@ -53,7 +53,8 @@ class Req:
         "output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
         "finished_reason", "cached_tokens", "arrival_time", "seed", "priority",
         "is_chunked", "retractions", "wait_steps", "grammar", "stream", "emitted_ids",
-        "stop_checker", "first_token_time", "jump_forward_steps",
+        "stop_checker", "first_token_time", "jump_forward_steps", "input_logprobs_done",
+        "input_logprobs_sent",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
@@ -96,6 +97,8 @@ class Req:
         self.emitted_ids = 0
         self.stop_checker: Any = None
         self.jump_forward_steps = 0
+        self.input_logprobs_done = False  # input logprobs computed (never recomputed)
+        self.input_logprobs_sent = False
 
     # --- lengths -------------------------------------------------------------------------
 

@@ -31,12 +31,12 @@ class AttentionLayerSpec:
 class AttentionBackend(abc.ABC):
     """Base class; subclasses implement `forward_extend` and `forward_decode`."""
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 (optional hook)
         """Precompute whatever the layers of this step share (index tensors, masks, plans)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        """q `[T, num_heads*head_dim]`, k/v `[T, num_kv_heads*head_dim]` -> `[T, num_heads*head_dim]`."""
+        """q `[T, H*D]`, k/v `[T, Hkv*D]` -> attention output `[T, H*D]`."""
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)

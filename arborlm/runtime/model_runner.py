@@ -1,0 +1,75 @@
+"""`ModelRunner`: owns the model, the KV memory and the attention backend; runs one forward.
+
+It sizes the KV pool (from `max_total_tokens`, or a fraction of free memory), loads the weights,
+and turns a `ForwardBatch` into float32 logits for the rows the scheduler asked for. It does not
+decide what runs: that is the scheduler's job.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from arborlm.errors import InvalidRequestError
+from arborlm.runtime.attention.base import create_attention_backend
+from arborlm.runtime.config import EngineConfig
+from arborlm.runtime.forward_batch import ForwardBatch
+from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+# Cap on the default pool size, so that a default CPU engine does not reserve tens of GB.
+DEFAULT_MAX_POOL_TOKENS = 262_144
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        from arborlm.runtime.models.registry import load_model
+
+        self.config = config
+        args, mc = config.args, config.model
+        self.device = args.device
+        torch.manual_seed(args.random_seed)
+        self.model = load_model(mc, device=self.device)
+        self.vocab_size = mc.vocab_size
+        self.page_size = args.page_size
+        num_slots = self._pool_slots()
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 2,
+                                                mc.context_length + self.page_size,
+                                                device=self.device)
+        self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype,
+                              device=self.device)
+        self.allocator = PagedAllocator(num_slots, self.page_size)
+        self.attn_backend = create_attention_backend(config.attention_backend, self.device)
+        logger.info("KV pool: %d tokens (%d pages of %d), %s, backend %s",
+                    self.allocator.total_size, self.allocator.num_pages - 1, self.page_size,
+                    mc.dtype, config.attention_backend)
+
+    def _pool_slots(self) -> int:
+        args, mc = self.config.args, self.config.model
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
+        if args.max_total_tokens is not None:
+            if args.max_total_tokens < 2 * self.page_size:
+                raise InvalidRequestError(
+                    f"max_total_tokens must be at least {2 * self.page_size}", "max_total_tokens")
+            tokens = args.max_total_tokens
+        else:
+            if self.device.startswith("cuda"):
+                free = torch.cuda.mem_get_info()[0]
+            else:
+                free = psutil.virtual_memory().available
+            tokens = int(free * args.mem_fraction) // per_token
+            tokens = min(tokens, DEFAULT_MAX_POOL_TOKENS,
+                         args.max_running_requests * mc.context_length)
+        pages = -(-tokens // self.page_size) + 1  # +1: page 0 is the reserved padding page
+        return pages * self.page_size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[N, vocab]` float32 for `batch.logits_indices` (all rows if None)."""
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch)
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,81 @@
+"""`ScheduledBatch`: the requests of one step and the phase they run in, and its ForwardBatch.
+
+For EXTEND, request i prefills `fill_ids[prefix_lens[i] : prefix_lens[i] + extend_lens[i]]`.
+The logits plan lists, per request, which of its new positions need logits: the positions whose
+next token's input logprob was asked for (`logprob_start_len`), and the last position when the
+next token is sampled. DECODE runs one token per request and always samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from arborlm.runtime.memory_pool import KVPool, ReqToTokenPool
+from arborlm.runtime.request import Req
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sample: list[bool]  # per request: sample its next token after this step
+    # Per request: absolute positions p whose logits are kept for input logprobs of token p+1.
+    input_logprob_positions: list[range] = field(default_factory=list)
+    # Filled by `logits_plan`: per request, (first row in logits, n input rows, sample row | -1).
+    rows: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    def logits_plan(self) -> torch.Tensor:
+        """Rows of the forward's hidden states that need logits, [N] int64."""
+        indices: list[int] = []
+        self.rows = []
+        start = 0
+        for i in range(self.size):
+            prefix, ext = self.prefix_lens[i], self.extend_lens[i]
+            first = len(indices)
+            lp = self.input_logprob_positions[i] if self.input_logprob_positions else range(0)
+            indices.extend(start + p - prefix for p in lp)
+            sample_row = -1
+            if self.sample[i]:
+                sample_row = len(indices)
+                indices.append(start + ext - 1)
+            self.rows.append((first, len(lp), sample_row))
+            start += ext
+        return torch.tensor(indices, dtype=torch.int64)
+
+    def to_forward_batch(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
+                         out_cache_loc: torch.Tensor, device: str) -> ForwardBatch:
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+        if self.mode.is_decode:
+            ids = [r.fill_ids[-1] for r in self.reqs]
+            positions = torch.tensor(self.prefix_lens, dtype=torch.int64)
+        else:
+            ids = []
+            for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
+                ids.extend(r.fill_ids[p:p + e])
+            positions = torch.cat([torch.arange(p, p + e)
+                                   for p, e in zip(self.prefix_lens, self.extend_lens)])
+        return ForwardBatch(
+            mode=self.mode,
+            batch_size=self.size,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            req_pool_indices=rows.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            out_cache_loc=out_cache_loc.to(device),
+            req_to_token_pool=req_to_token_pool,
+            kv_pool=kv_pool,
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=[] if self.mode.is_decode else list(self.prefix_lens),
+            extend_seq_lens_cpu=[] if self.mode.is_decode else list(self.extend_lens),
+            logits_indices=self.logits_plan().to(device),
+        )

@@ -1,0 +1,161 @@
+"""Turning a forward step's logits into request progress.
+
+For each request of the batch: record input logprobs for the prompt positions it asked for,
+sample its next token (penalties, bias, bans, grammar mask, then the sampler), record output
+logprobs, append the token and decide whether the request is finished (stop token, stop string,
+stop regex, length, context limit, grammar end).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arborlm.runtime.config import EngineConfig
+from arborlm.runtime.detokenizer import IncrementalDetokenizer
+from arborlm.runtime.request import FinishReason, Req
+from arborlm.runtime.sampling.sampler import process_logits, sample
+from arborlm.runtime.sampling.sampling_batch import SamplingBatch
+from arborlm.runtime.scheduler.batch import ScheduledBatch
+from arborlm.runtime.scheduler.outputs import chosen_logprobs, ids_logprobs, top_logprobs
+
+
+class ResultProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_length = config.model.context_length
+        self.eos_ids = eos_token_ids(config, tokenizer)
+        self.grammar_hook: Any = None  # set by the grammar manager when grammars are enabled
+
+    def attach(self, req: Req) -> None:
+        """Per-request state: a stop-string checker when the request has stop strings/regex."""
+        p = req.sampling_params
+        if p.stop or p.stop_regex:
+            req.stop_checker = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids=req.origin_input_ids,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens,
+                stop=list(p.stop), no_stop_trim=True)
+            if req.output_ids:
+                req.stop_checker.add(req.output_ids)
+
+    def detach(self, req: Req) -> None:
+        req.stop_checker = None
+
+    def process(self, batch: ScheduledBatch, logits: torch.Tensor, kv_pool: Any) -> None:
+        """`logits` [N, V] float32 in the row order of `batch.logits_plan()`."""
+        sample_reqs, sample_rows = [], []
+        for i, req in enumerate(batch.reqs):
+            first, n_input, sample_row = batch.rows[i]
+            if (not batch.mode.is_decode and req.wants_input_logprobs
+                    and not req.input_logprobs_done):
+                end = batch.prefix_lens[i] + batch.extend_lens[i]
+                self._input_logprobs(req, batch.input_logprob_positions[i],
+                                     logits[first:first + n_input], batch.prefix_lens[i], end)
+            if sample_row >= 0 and not req.finished:
+                sample_reqs.append(req)
+                sample_rows.append(sample_row)
+        if sample_reqs:
+            self._sample(sample_reqs, logits[torch.tensor(sample_rows, dtype=torch.int64)])
+
+    # --- input logprobs -------------------------------------------------------------------------
+
+    def _input_logprobs(self, req: Req, positions: range, logits: torch.Tensor,
+                        prefix: int, end: int) -> None:
+        if not req.input_token_logprobs and req.logprob_start_len == 0 and prefix == 0:
+            first = req.origin_input_ids[0]
+            req.input_token_logprobs.append((None, first))
+            req.input_top_logprobs.append(None)
+            req.input_token_ids_logprobs.append(None)
+        if len(positions):
+            lp = torch.log_softmax(logits, dim=-1)  # [n, V]
+            ids = torch.tensor([req.origin_input_ids[p + 1] for p in positions],
+                               dtype=torch.int64)
+            req.input_token_logprobs.extend(zip(chosen_logprobs(lp, ids), ids.tolist()))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.extend(top_logprobs(lp, req.top_logprobs_num))
+            if req.token_ids_logprob:
+                req.input_token_ids_logprobs.extend(ids_logprobs(lp, req.token_ids_logprob))
+        if end >= req.prompt_len:
+            req.input_logprobs_done = True
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        sb = SamplingBatch.build(reqs, self.vocab_size, self.eos_ids)
+        logits = process_logits(logits, sb)
+        if self.grammar_hook is not None:
+            self.grammar_hook.apply_mask(reqs, logits)
+        out = sample(logits, sb)
+        ids = out.next_ids.tolist()
+        if out.logprobs is not None:
+            self._output_logprobs(reqs, out.logprobs, out.next_ids)
+        now = time.monotonic()
+        for req, tok in zip(reqs, ids):
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.output_ids.append(tok)
+            if self.grammar_hook is not None and req.grammar is not None:
+                self.grammar_hook.accept(req, tok)
+            self._check_finished(req, tok)
+
+    def _output_logprobs(self, reqs: list[Req], logprobs: torch.Tensor,
+                         next_ids: torch.Tensor) -> None:
+        chosen = chosen_logprobs(logprobs, next_ids)
+        for i, req in enumerate(reqs):
+            if not req.return_logprob:
+                continue
+            req.output_token_logprobs.append((chosen[i], int(next_ids[i])))
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(top_logprobs(logprobs[i:i + 1],
+                                                            req.top_logprobs_num)[0])
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(
+                    ids_logprobs(logprobs[i:i + 1], req.token_ids_logprob)[0])
+
+    def _check_finished(self, req: Req, tok: int) -> None:
+        p = req.sampling_params
+        n_out = len(req.output_ids)
+        if n_out >= p.min_new_tokens and (tok in p.stop_token_ids
+                                          or (not p.ignore_eos and tok in self.eos_ids)):
+            req.finished_reason = FinishReason("stop", matched=tok)
+            return
+        if req.stop_checker is not None and n_out >= p.min_new_tokens:
+            checker = req.stop_checker
+            checker.add([tok])
+            if checker.matched_stop is not None:
+                req.finished_reason = FinishReason("stop", matched=checker.matched_stop)
+                return
+            for pattern in p.stop_regex:
+                m = re.search(pattern, checker.text)
+                if m is not None:
+                    req.finished_reason = FinishReason("stop", matched=m.group(0))
+                    return
+        elif req.stop_checker is not None:
+            req.stop_checker.add([tok])
+        if self.grammar_hook is not None and req.grammar is not None \
+                and self.grammar_hook.is_terminated(req):
+            req.finished_reason = FinishReason("stop", matched=tok)
+            return
+        if n_out >= p.max_new_tokens:
+            req.finished_reason = FinishReason("length", length=p.max_new_tokens)
+        elif req.total_len >= self.context_length:
+            req.finished_reason = FinishReason("length", length=n_out)
+
+
+def eos_token_ids(config: EngineConfig, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends generation by default: config, generation config and tokenizer EOS."""
+    ids = set(config.model.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_file = Path(config.model.path) / "generation_config.json"
+    if gen_file.is_file():
+        gen = json.loads(gen_file.read_text()).get("eos_token_id")
+        ids.update(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+    return tuple(sorted(ids))

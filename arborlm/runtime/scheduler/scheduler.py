@@ -1,0 +1,345 @@
+"""The scheduler: continuous batching over one model runner.
+
+One `step()` is: release finished requests → schedule the next batch (a prefill batch of newly
+admitted requests and the ongoing chunked prompt, else one decode step of every running request,
+retracting the newest ones when the KV pool runs dry) → forward → sample → process results.
+The same class runs in-process (`Engine`) and inside the scheduler process; it knows nothing of
+sockets, HTTP or text beyond the stop-string checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from arborlm.radix_cache import create_prefix_cache
+from arborlm.runtime.config import EngineConfig
+from arborlm.runtime.forward_batch import ForwardMode
+from arborlm.runtime.model_runner import ModelRunner
+from arborlm.runtime.request import FinishReason, Req
+from arborlm.runtime.scheduler.admission import PrefillBudget, reserved_tokens
+from arborlm.runtime.scheduler.batch import ScheduledBatch
+from arborlm.runtime.scheduler.outputs import ReqOutput, make_output
+from arborlm.runtime.scheduler.policy import WaitingQueue
+from arborlm.runtime.scheduler.results import ResultProcessor
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+# Running requests make their KV findable by others every this many decode steps.
+CACHE_RUNNING_EVERY = 32
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, tokenizer: Any, runner: ModelRunner | None = None):
+        self.config = config
+        self.args = config.args
+        self.runner = runner or ModelRunner(config)
+        self.page_size = self.args.page_size
+        self.req_pool = self.runner.req_to_token_pool
+        self.allocator = self.runner.allocator
+        self.cache = create_prefix_cache(self.args.disable_radix_cache, self.req_pool,
+                                         self.allocator, self.page_size)
+        self.waiting = WaitingQueue(self.args.schedule_policy, self.cache)
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.results = ResultProcessor(config, tokenizer, self.runner.vocab_size)
+        self._outputs: list[ReqOutput] = []
+        self.decode_steps = 0
+        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "retractions": 0,
+                      "decode_steps": 0, "prefill_steps": 0}
+
+    # --- requests in and out ----------------------------------------------------------------
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.allocator.total_size
+
+    def add_request(self, req: Req) -> None:
+        """Queue a validated request (see `arborlm.runtime.validation`)."""
+        self.results.attach(req)
+        self.waiting.add(req)
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> None:
+        """Finish a request (or all) with `abort`; running ones are released at the next step."""
+        for req in list(self.waiting):
+            if abort_all or req.rid == rid:
+                req.finished_reason = FinishReason.abort("aborted", 499)
+                self.waiting.remove([req])
+                self._emit(req)
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if (abort_all or req.rid == rid) and not req.finished:
+                req.finished_reason = FinishReason.abort("aborted", 499)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.running and not len(self.waiting) and self.chunked_req is None
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        running = len(self.running) + (1 if self.chunked_req else 0)
+        return running, len(self.waiting)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[ReqOutput]:
+        """Run one scheduling step; returns the reports produced by it."""
+        self._release_finished()
+        batch = self._schedule()
+        if batch is not None:
+            fb = batch.to_forward_batch(self.req_pool, self.runner.kv_pool,
+                                        self._out_cache_loc, self.runner.device)
+            logits = self.runner.forward(fb)
+            self._process(batch, logits)
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        self.waiting.tick()
+        return batch
+
+    def _process(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        self.results.process(batch, logits, self.runner.kv_pool)
+        if batch.mode.is_decode:
+            self.stats["decode_steps"] += 1
+            self._after_decode(batch)
+        else:
+            self.stats["prefill_steps"] += 1
+            self._after_extend(batch)
+
+    # --- prefill ------------------------------------------------------------------------------
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        if not len(self.waiting) and self.chunked_req is None:
+            return None
+        rem_reqs = min(self.args.max_running_requests - len(self.running),
+                       self.req_pool.available_size())
+        chunk = self.args.chunked_prefill_size
+        reserved = sum(reserved_tokens(r) for r in self.running) * self.new_token_ratio
+        budget = PrefillBudget(
+            rem_total=self.allocator.available_size() + self.cache.evictable_size()
+            - int(reserved),
+            rem_input=self.args.max_prefill_tokens,
+            rem_chunk=None if chunk in (None, -1) else chunk,
+            rem_reqs=rem_reqs + (1 if self.chunked_req else 0),
+            new_token_ratio=self.new_token_ratio, page_size=self.page_size)
+        batch = ScheduledBatch(ForwardMode.EXTEND, [], [], [], [], [])
+        slots: list[torch.Tensor] = []
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            adm = budget.try_admit(req, req.computed_len)
+            if adm is not None:
+                self.chunked_req = None
+                slots.append(self._add_to_batch(batch, req, req.computed_len, adm))
+        for req in self.waiting.ordered():
+            evictable = self.cache.evictable_size()
+            self._match_and_lock(req)
+            # Slots the lock just protected can no longer be evicted for this batch.
+            budget.rem_total -= evictable - self.cache.evictable_size()
+            adm = budget.try_admit(req, req.cached_len)
+            if adm is None:
+                self._unlock(req)
+                break
+            slots.append(self._add_to_batch(batch, req, req.cached_len, adm))
+            self.waiting.remove([req])
+        if not batch.reqs:
+            return None
+        self._out_cache_loc = torch.cat(slots)
+        return batch
+
+    def _match_and_lock(self, req: Req) -> None:
+        """Match the cached prefix of a waiting request and lock it."""
+        limit = req.total_len - 1  # the last token is recomputed: its logits are needed
+        if req.wants_input_logprobs and not req.input_logprobs_done:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        match = self.cache.match_prefix(req.fill_ids[:limit], req.extra_key)
+        self.cache.lock(match.node)
+        req.last_node = match.node
+        req.prefix_slots = match.slots
+        req.cached_len = req.computed_len = len(match.slots)
+
+    def _unlock(self, req: Req) -> None:
+        self.cache.unlock(req.last_node)
+        req.last_node = None
+        req.cached_len = req.computed_len = 0
+        req.prefix_slots = torch.empty(0, dtype=torch.int64)
+
+    def _add_to_batch(self, batch: ScheduledBatch, req: Req, prefix: int, adm: Any) -> torch.Tensor:
+        """Give `req` a row (first time) and KV slots for its extend range."""
+        if req.req_pool_idx is None:
+            req.req_pool_idx = self.req_pool.alloc()
+            assert req.req_pool_idx is not None, "budget admitted more requests than rows"
+            self.req_pool.write(req.req_pool_idx, 0, req.prefix_slots)
+            if req.retractions == 0:
+                req.cached_tokens = req.cached_len
+                self.stats["cached_tokens"] += req.cached_len
+        end = prefix + adm.extend_len
+        slots = self._alloc(req, prefix, end)
+        self.req_pool.write(req.req_pool_idx, prefix, slots)
+        req.is_chunked = adm.chunked
+        batch.reqs.append(req)
+        batch.prefix_lens.append(prefix)
+        batch.extend_lens.append(adm.extend_len)
+        batch.sample.append(not adm.chunked and req.sampling_params.max_new_tokens > 0)
+        batch.input_logprob_positions.append(self._input_logprob_positions(req, prefix, end))
+        self.stats["prefill_tokens"] += adm.extend_len
+        return slots
+
+    def _input_logprob_positions(self, req: Req, prefix: int, end: int) -> range:
+        if not req.wants_input_logprobs or req.input_logprobs_done:
+            return range(0)
+        first = max(req.logprob_start_len - 1, 0)
+        last = min(end, req.prompt_len - 1)  # logits at p give the logprob of token p+1
+        return range(max(first, prefix), max(last, max(first, prefix)))
+
+    def _alloc(self, req: Req, start: int, end: int) -> torch.Tensor:
+        need = self.allocator.pages_needed(start, end) * self.page_size
+        if self.allocator.available_size() < need:
+            self.cache.evict(need - self.allocator.available_size())
+        last = int(self.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else 0
+        return self.allocator.alloc_range(start, end, last)
+
+    def _after_extend(self, batch: ScheduledBatch) -> None:
+        for req, ext in zip(batch.reqs, batch.extend_lens):
+            req.computed_len += ext
+            req.check_lengths()
+            if req.is_chunked:
+                self.cache.cache_unfinished_req(req)
+                self.chunked_req = req
+                continue
+            if req.sampling_params.max_new_tokens == 0 and not req.finished:
+                req.finished_reason = FinishReason("length", length=0)
+            if req.finished:
+                self._finish(req)
+            else:
+                self.cache.cache_unfinished_req(req)
+                self.running.append(req)
+                self._emit(req)
+
+    # --- decode -------------------------------------------------------------------------------
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        self._retract_until_fits()
+        if not self.running:
+            return None
+        reqs = list(self.running)
+        slots = [self._alloc(r, r.computed_len, r.computed_len + 1) for r in reqs]
+        for r, s in zip(reqs, slots):
+            self.req_pool.write(r.req_pool_idx, r.computed_len, s)
+        self._out_cache_loc = torch.cat(slots)
+        prefix = [r.computed_len for r in reqs]
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                   self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, prefix, [1] * len(reqs),
+                              [True] * len(reqs))
+
+    def _retract_until_fits(self) -> None:
+        def need() -> int:
+            return sum(self.allocator.pages_needed(r.computed_len, r.computed_len + 1)
+                       for r in self.running) * self.page_size
+
+        while self.running and need() > (self.allocator.available_size()
+                                         + self.cache.evictable_size()):
+            victim = max(self.running, key=lambda r: r.arrival_time)
+            self.running.remove(victim)
+            if not self.running and len(self.waiting) == 0:
+                victim.finished_reason = FinishReason.abort(
+                    "the KV cache is too small for this request", 503)
+                self._finish(victim)
+                return
+            self._retract(victim)
+
+    def retract(self, req: Req) -> None:
+        """Move a running request back to the waiting queue (tests force this)."""
+        self.running.remove(req)
+        self._retract(req)
+
+    def _retract(self, req: Req) -> None:
+        self.cache.cache_finished_req(req)
+        self.req_pool.free(req.req_pool_idx)
+        req.reset_for_retract()
+        self.waiting.add(req, front=True)
+        self.stats["retractions"] += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
+        logger.debug("retracted %s", req.rid)
+
+    def _after_decode(self, batch: ScheduledBatch) -> None:
+        self.decode_steps += 1
+        share = self.decode_steps % CACHE_RUNNING_EVERY == 0
+        for req in batch.reqs:
+            req.computed_len += 1
+            if req.finished:
+                self.running.remove(req)
+                self._finish(req)
+                continue
+            self._emit(req)
+            if share:
+                self.cache.cache_unfinished_req(req)
+
+    # --- finishing ----------------------------------------------------------------------------
+
+    def _release_finished(self) -> None:
+        done = [r for r in self.running if r.finished]
+        if done:
+            self.running = [r for r in self.running if not r.finished]
+            for r in done:
+                self._finish(r)
+        if self.chunked_req is not None and self.chunked_req.finished:
+            req, self.chunked_req = self.chunked_req, None
+            self._finish(req)
+
+    def _finish(self, req: Req) -> None:
+        if req.req_pool_idx is not None:
+            self.cache.cache_finished_req(req)
+            self.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        self.results.detach(req)
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        self._outputs.append(make_output(req))
+
+    # --- maintenance --------------------------------------------------------------------------
+
+    def flush_cache(self) -> tuple[bool, str]:
+        if not self.is_idle:
+            running, waiting = self.num_requests()
+            return False, (f"cannot flush the cache while requests are pending "
+                           f"({running} running, {waiting} waiting)")
+        self.cache.reset()
+        return True, "cache flushed"
+
+    def check_integrity(self) -> None:
+        """Idle-time invariant: free slots + cached slots == all usable slots."""
+        assert self.is_idle, "check_integrity runs only when idle"
+        self.cache.check_integrity()
+        assert self.cache.protected_size() == 0, "locked cache nodes while idle"
+        free = self.allocator.available_size()
+        cached = self.cache.total_size()
+        assert free + cached == self.allocator.total_size, (
+            f"KV slots leaked: free {free} + cached {cached} != total "
+            f"{self.allocator.total_size}")
+        assert self.req_pool.available_size() == self.req_pool.size, "req_to_token rows leaked"
+
+    def server_info(self) -> dict[str, Any]:
+        running, waiting = self.num_requests()
+        prompt = self.stats["prefill_tokens"] + self.stats["cached_tokens"]
+        return {
+            "max_total_num_tokens": self.max_total_tokens,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
+            "available_kv_tokens": self.allocator.available_size(),
+            "cached_kv_tokens": self.cache.total_size(),
+            **self.stats,
+            "time": time.time(),
+        }
