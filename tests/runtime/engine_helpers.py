@@ -54,3 +54,51 @@ def hf_logprobs(path: str, ids: list[int]) -> torch.Tensor:
 
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+class DirectScheduler:
+    """A scheduler driven step by step from the test thread (no engine thread)."""
+
+    def __init__(self, path: str, **options):
+        from arborlm.runtime.config import EngineArgs
+        from arborlm.runtime.scheduler.scheduler import Scheduler
+        from arborlm.runtime.tokenizer_utils import load_tokenizer
+
+        self.config = EngineArgs(model_path=path, dtype="float32", **options).resolve()
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+        self.scheduler = Scheduler(self.config, self.tokenizer)
+        self.builders: dict = {}
+
+    def submit(self, prompts, params, **kw) -> list[str]:
+        from arborlm.runtime.generate_request import GenerateRequest, validate_single
+        from arborlm.runtime.request import Req
+        from arborlm.runtime.response import ResponseBuilder
+
+        rids = []
+        for s in GenerateRequest(text=prompts, sampling_params=params, **kw).normalize():
+            ids = self.tokenizer.encode(s.text)
+            validate_single(s, ids, context_length=self.config.model.context_length,
+                            max_total_tokens=self.scheduler.max_total_tokens,
+                            vocab_size=self.config.model.vocab_size)
+            self.builders[s.rid] = ResponseBuilder(s, self.tokenizer, ids)
+            self.scheduler.add_request(Req(s.rid, ids, s.sampling_params, seed=0,
+                                           extra_key=s.extra_key))
+            rids.append(s.rid)
+        return rids
+
+    def step(self) -> list:
+        outs = self.scheduler.step()
+        for out in outs:
+            if out.rid in self.builders:
+                self.builders[out.rid].add(out)
+        return outs
+
+    def run(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if all(b.finished for b in self.builders.values()):
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def output_ids(self, rids: list[str]) -> list[list[int]]:
+        return [self.builders[r].result()["output_ids"] for r in rids]

@@ -10,7 +10,13 @@ import pytest
 
 from arborlm import Engine
 from tests.conftest import ARCHS
-from tests.runtime.engine_helpers import GREEDY, PROMPTS, hf_greedy, hf_tokenizer
+from tests.runtime.engine_helpers import (
+    GREEDY,
+    PROMPTS,
+    DirectScheduler,
+    hf_greedy,
+    hf_tokenizer,
+)
 
 
 def _ids(path, prompt):
@@ -77,43 +83,33 @@ def test_retraction_under_memory_pressure(llama_path, alone16):
     engine = Engine(str(llama_path), dtype="float32", max_total_tokens=300,
                     debug_integrity=True)
     outs = engine.generate(_batch16(), GREEDY)
-    assert engine.scheduler.stats["retractions"] > 0
+    assert engine.get_server_info()["retractions"] > 0
     assert [o["output_ids"] for o in outs] == alone16
 
 
 def test_forced_retraction_resumes_exactly(llama_path, alone):
-    engine = Engine(str(llama_path), dtype="float32", debug_integrity=True)
-    from arborlm.runtime.generate_request import GenerateRequest
-
-    singles = GenerateRequest(text=PROMPTS[:3], sampling_params=GREEDY).normalize()
-    builders = engine._submit(singles)
+    d = DirectScheduler(str(llama_path))
+    rids = d.submit(PROMPTS[:3], GREEDY)
     for _ in range(6):  # prefill + a few decode steps
-        for out in engine.scheduler.step():
-            builders[out.rid].add(out)
-    victim = engine.scheduler.running[1]
-    engine.scheduler.retract(victim)
-    engine._run_until_done(builders)
+        d.step()
+    victim = d.scheduler.running[1]
+    d.scheduler.retract(victim)
+    d.run()
     assert victim.retractions == 1
-    assert [b.result()["output_ids"] for b in builders.values()] == [alone[p] for p in PROMPTS[:3]]
-    engine.check_integrity()
+    assert d.output_ids(rids) == [alone[p] for p in PROMPTS[:3]]
+    d.scheduler.check_integrity()
 
 
 def test_new_requests_join_between_decode_steps(llama_path, alone):
-    engine = Engine(str(llama_path), dtype="float32")
-    from arborlm.runtime.generate_request import GenerateRequest
-
-    first = engine._submit(GenerateRequest(text=PROMPTS[0], sampling_params=GREEDY).normalize())
+    d = DirectScheduler(str(llama_path))
+    first = d.submit(PROMPTS[0], GREEDY)
     for _ in range(4):
-        for out in engine.scheduler.step():
-            first[out.rid].add(out)
-    assert len(engine.scheduler.running) == 1
-    second = engine._submit(GenerateRequest(text=PROMPTS[1], sampling_params=GREEDY).normalize())
-    both = {**first, **second}
+        d.step()
+    assert len(d.scheduler.running) == 1
+    second = d.submit(PROMPTS[1], GREEDY)
     saw_two = False
-    while not all(b.finished for b in both.values()):
-        for out in engine.scheduler.step():
-            both[out.rid].add(out)
-        saw_two |= len(engine.scheduler.running) == 2
+    while not all(b.finished for b in d.builders.values()):
+        d.step()
+        saw_two |= len(d.scheduler.running) == 2
     assert saw_two, "the second request never decoded alongside the first"
-    assert [b.result()["output_ids"] for b in both.values()] == [alone[PROMPTS[0]],
-                                                                 alone[PROMPTS[1]]]
+    assert d.output_ids(first + second) == [alone[PROMPTS[0]], alone[PROMPTS[1]]]

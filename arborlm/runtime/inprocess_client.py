@@ -1,0 +1,210 @@
+"""`InProcessClient`: the scheduler in a background thread of the caller's process.
+
+Callers (any thread, any event loop) tokenize and validate in their own thread, then hand the
+requests to the scheduler thread through a command queue. The scheduler thread steps while it
+has work and blocks on the queue when idle; each step's reports go to per-request
+`ResponseBuilder`s and from there, as events, to the waiting caller's asyncio queue
+(`call_soon_threadsafe`). Torch releases the GIL inside its kernels, so callers stay responsive
+while the model runs. Concurrent callers are batched together, which is what makes the DSL's
+parallel programs fast in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from arborlm.runtime.config import EngineArgs
+from arborlm.runtime.engine_client import EngineClient
+from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, validate_single
+from arborlm.runtime.request import FinishReason, Req
+from arborlm.runtime.response import ResponseBuilder
+from arborlm.runtime.scheduler.scheduler import Scheduler
+from arborlm.runtime.tokenizer_utils import encode, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sink:
+    """Where one sequence's events go: an asyncio queue in the caller's loop."""
+
+    index: int
+    builder: ResponseBuilder
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def push(self, event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+class InProcessClient(EngineClient):
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.config = args.resolve()
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+        self.scheduler = Scheduler(self.config, self.tokenizer)
+        self._seeds = random.Random(args.random_seed)
+        self._seed_lock = threading.Lock()
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="arborlm-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.scheduler.max_total_tokens
+
+    # --- caller side --------------------------------------------------------------------------
+
+    def prepare(self, req: GenerateRequest) -> list[tuple[SingleRequest, list[int]]]:
+        """Normalize, tokenize and validate every sequence (raises before anything is queued)."""
+        out = []
+        for single in req.normalize():
+            ids = (single.input_ids if single.input_ids is not None
+                   else encode(self.tokenizer, single.text))
+            validate_single(single, ids, context_length=self.config.model.context_length,
+                            max_total_tokens=self.max_total_tokens,
+                            vocab_size=self.config.model.vocab_size)
+            out.append((single, ids))
+        return out
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        self._check_alive()
+        prepared = self.prepare(req)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        sinks = [_Sink(i, ResponseBuilder(s, self.tokenizer, ids), s.stream, loop, events)
+                 for i, (s, ids) in enumerate(prepared)]
+        reqs = [self._make_req(s, ids) for s, ids in prepared]
+        self._call(lambda: self._add(reqs, sinks))
+        pending = len(sinks)
+        try:
+            while pending:
+                index, event = await events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event["meta_info"].get("finish_reason") is not None:
+                    pending -= 1
+                yield index, event
+        finally:
+            if pending:
+                rids = [s.builder.req.rid for s in sinks if not s.builder.finished]
+                self._call(lambda: [self.scheduler.abort(r) for r in rids])
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._call(lambda: self.scheduler.abort(rid, abort_all))
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        return await asyncio.wrap_future(self._ask(self.scheduler.flush_cache))
+
+    async def server_info(self) -> dict[str, Any]:
+        return await asyncio.wrap_future(self._ask(self.scheduler.server_info))
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the scheduler thread between steps and return its result (blocking)."""
+        return self._ask(fn).result()
+
+    def healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._commands.put(lambda: None)
+            self._thread.join(timeout=10)
+
+    # --- scheduler thread ---------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        self._check_alive()
+        self._commands.put(fn)
+
+    def _ask(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(e)
+
+        self._call(run)
+        return fut
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine's scheduler thread died: {self._error!r}")
+        if self._stopped.is_set():
+            raise RuntimeError("the engine has been shut down")
+
+    def _make_req(self, single: SingleRequest, ids: list[int]) -> Req:
+        seed = single.sampling_params.sampling_seed
+        if seed is None:
+            with self._seed_lock:
+                seed = self._seeds.getrandbits(62)
+        return Req(single.rid, ids, single.sampling_params, return_logprob=single.return_logprob,
+                   logprob_start_len=single.logprob_start_len,
+                   top_logprobs_num=single.top_logprobs_num,
+                   token_ids_logprob=single.token_ids_logprob, extra_key=single.extra_key,
+                   seed=seed, priority=single.priority, stream=single.stream)
+
+    def _add(self, reqs: list[Req], sinks: list[_Sink]) -> None:
+        for req, sink in zip(reqs, sinks):
+            if req.rid in self._sinks:
+                sink.push((sink.index, _abort_event(sink, f"duplicate request id {req.rid!r}")))
+                continue
+            self._sinks[req.rid] = sink
+            self.scheduler.add_request(req)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                block = self.scheduler.is_idle
+                try:
+                    cmd = self._commands.get(block=block, timeout=None if block else 0)
+                    cmd()
+                    while True:
+                        self._commands.get_nowait()()
+                except queue.Empty:
+                    pass
+                if self._stopped.is_set():
+                    break
+                self._dispatch(self.scheduler.step())
+                if self.args.debug_integrity and self.scheduler.is_idle:
+                    self.scheduler.check_integrity()
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+            logger.exception("scheduler thread died")
+            self._error = e
+            for sink in self._sinks.values():
+                sink.push((sink.index, RuntimeError(f"the engine's scheduler failed: {e!r}")))
+            self._sinks.clear()
+
+    def _dispatch(self, outputs: list) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.rid)
+            if sink is None:
+                continue
+            sink.builder.add(out)
+            if sink.builder.finished:
+                del self._sinks[out.rid]
+            if sink.stream:
+                sink.push((sink.index, sink.builder.chunk()))
+            elif sink.builder.finished:
+                sink.push((sink.index, sink.builder.result()))
+
+
+def _abort_event(sink: _Sink, message: str) -> dict[str, Any]:
+    reason = FinishReason.abort(message, 400).to_json()
+    return {"text": "", "output_ids": [], "meta_info": {"id": sink.builder.req.rid,
+                                                       "finish_reason": reason}}
