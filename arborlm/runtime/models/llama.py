@@ -54,10 +54,11 @@ class _ArchFlags:
                    qk_norm=config.architecture == "qwen3")
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+            device: str | torch.device | None = None) -> nn.Linear:
     """An `nn.Linear` with uninitialised weights (they are loaded), on the default device."""
     return skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype,
-                     device=torch.get_default_device())
+                     device=device or torch.get_default_device())
 
 
 def _check_sliding_window(config: ModelConfig) -> None:
@@ -183,8 +184,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.flags = _ArchFlags.of(config)
         self.model = LlamaModel(config, self.flags)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config.dtype)
-        if config.tie_word_embeddings:
+        tied = config.tie_word_embeddings
+        # A tied head gets its weight from the embedding; build it on "meta" to allocate nothing.
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config.dtype,
+                               device="meta" if tied else None)
+        if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
 
