@@ -1,1 +1,1 @@
-"""Model building blocks: RMSNorm, rotary embeddings (incl. Llama 3 scaling), fused linears."""
+"""Model building blocks: RMSNorm, rotary embeddings (incl. Llama 3 scaling), SwiGLU activation."""
