@@ -1,0 +1,222 @@
+"""The grammar-engine interface: `GrammarBackend` -> `CompiledGrammar` -> `GrammarMatcher`.
+
+One `GrammarBackend` per engine (xgrammar, outlines-core) and tokenizer. `compile(kind, spec)`
+turns a grammar spec into an immutable `CompiledGrammar` that many requests share; each request
+gets its own `GrammarMatcher` from `compiled.matcher()`, which the decode loop drives one token
+at a time. Compiling happens off the hot path in `compile_cache.GrammarCompiler`; masks are
+applied with `bitmask.apply_token_bitmask_`.
+
+This module holds the contracts and the backend registry only; it imports neither engine, so a
+missing optional engine fails when it is asked for, with a clear message.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from typing import Any
+
+import torch
+
+from arborlm.errors import GrammarError
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices", "structural_tag")
+ANY_JSON = "$$ANY$$"  # json_schema spec meaning "any JSON value"
+GRAMMAR_BACKENDS = ("xgrammar", "outlines")
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+MAX_JUMP_FORWARD_TOKENS = 64
+# With any_whitespace=True, JSON may hold at most this many whitespace characters between two
+# elements (after "{", around ":" and ",", before "]"), so a model cannot emit whitespace
+# forever; enough for pretty-printed JSON nested a dozen levels deep.
+ANY_WHITESPACE_MAX_RUN = 24
+
+
+class GrammarMatcher(abc.ABC):
+    """Per-request state of one grammar: which tokens may come next.
+
+    Lifecycle: accept tokens as they are sampled; `is_terminated()` becomes true once a stop
+    token is accepted where the grammar is complete (the request then finishes with `stop`).
+    `rollback(n)` undoes the last n accepted tokens (speculative decoding, retraction of
+    unverified tokens); `reset()` returns to the start; `copy()` forks an independent matcher
+    (parallel samples, `fork` in the DSL). Matchers are not thread-safe; one thread drives one.
+    """
+
+    vocab_size: int  # bits per bitmask row that can be set: the model's vocabulary
+    stop_token_ids: tuple[int, ...]
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance on `token_id`; return False (state unchanged) if the grammar rejects it."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32, CPU): bit i set = allowed.
+
+        Writes the whole row, including ids past the tokenizer's vocabulary (always 0). After
+        termination the row allows nothing. Does not change the matcher's state.
+        """
+
+    @abc.abstractmethod
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (a terminating stop token counts as one)."""
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token has been accepted at a point where the grammar is complete."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True when the text so far is a complete sentence of the grammar (a stop may follow)."""
+
+    @abc.abstractmethod
+    def find_jump_forward_string(self) -> str:
+        """The longest string the grammar forces from here ("" if none), state unchanged.
+
+        Character-level: it need not end on a token boundary, so appending it as the tokenizer
+        would encode it can change what a model decoding token by token would produce. Use it to
+        propose draft tokens for verification (speculative decoding); the decode loop's exact
+        jump-forward uses `find_jump_forward_tokens`.
+        """
+
+    @abc.abstractmethod
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in the same state (same history, so rollback works)."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Return to the initial state, forgetting every accepted token."""
+
+    def find_jump_forward_tokens(self, max_tokens: int = MAX_JUMP_FORWARD_TOKENS) -> list[int]:
+        """The tokens the grammar forces from here, one at a time; state unchanged.
+
+        A token is forced when the mask allows exactly that one token; the walk stops at the
+        first state that allows two or more (or none), after `max_tokens`, or after a forced stop
+        token (which is then the last element). Because every returned token is the only one
+        the mask admits, any sampler would pick it: appending these tokens without a decode
+        step per token leaves the output identical, greedy or not.
+        """
+        probe = self.copy()
+        row = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)  # [1, ceil(V/32)]
+        forced: list[int] = []
+        while len(forced) < max_tokens and not probe.is_terminated():
+            probe.fill_bitmask(row, 0)
+            token = _single_allowed_token(row[0])
+            if token is None or not probe.accept_token(token):
+                break
+            forced.append(token)
+            if token in self.stop_token_ids:
+                break
+        return forced
+
+
+class CompiledGrammar(abc.ABC):
+    """An immutable compiled grammar, safe to share across requests and threads."""
+
+    kind: str
+    spec: str
+
+    @abc.abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start."""
+
+
+class GrammarBackend(abc.ABC):
+    """One grammar engine bound to one tokenizer and model vocabulary.
+
+    `compile` is synchronous and thread-safe; it raises `GrammarError` with a message fit for a
+    400 reply when the spec is invalid or uses something the engine cannot enforce. It does not
+    enforce `compile_timeout_s` itself: `GrammarCompiler` does, around it.
+    """
+
+    name: str
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    any_whitespace: bool
+    compile_timeout_s: float
+
+    def compile(self, kind: str, spec: str) -> CompiledGrammar:
+        """Compile `spec` of grammar `kind` (one of `GRAMMAR_KINDS`)."""
+        if kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"unknown grammar kind {kind!r}; expected one of "
+                               f"{', '.join(GRAMMAR_KINDS)}", param=kind)
+        if not isinstance(spec, str):
+            raise GrammarError(f"{kind} must be a string, got {type(spec).__name__}", param=kind)
+        if kind == "json_schema":
+            return self._compile_json_schema(spec)
+        if kind == "regex":
+            return self._compile_regex(spec)
+        if kind == "ebnf":
+            return self._compile_ebnf(spec)
+        if kind == "choices":
+            return self._compile_choices(spec)
+        return self._compile_structural_tag(spec)
+
+    @abc.abstractmethod
+    def _compile_json_schema(self, spec: str) -> CompiledGrammar: ...
+
+    @abc.abstractmethod
+    def _compile_regex(self, spec: str) -> CompiledGrammar: ...
+
+    @abc.abstractmethod
+    def _compile_ebnf(self, spec: str) -> CompiledGrammar: ...
+
+    @abc.abstractmethod
+    def _compile_choices(self, spec: str) -> CompiledGrammar: ...
+
+    def _compile_structural_tag(self, spec: str) -> CompiledGrammar:
+        raise GrammarError(f"the {self.name} grammar backend does not support structural_tag; "
+                           "use the xgrammar backend", param="structural_tag")
+
+
+def parse_choices(spec: str) -> list[str]:
+    """The `choices` spec is a JSON list of one or more strings; return it or raise."""
+    try:
+        choices: Any = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"choices must be a JSON list of strings: {e}", param="choices") from e
+    if not isinstance(choices, list) or not choices:
+        raise GrammarError("choices must be a non-empty list of strings", param="choices")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("every choice must be a non-empty string", param="choices")
+    return choices
+
+
+def create_grammar_backend(name: str, tokenizer: Any, vocab_size: int,
+                           stop_token_ids: list[int] | tuple[int, ...], *,
+                           any_whitespace: bool = False,
+                           compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                           ) -> GrammarBackend:
+    """Build the named backend for a Hugging Face `tokenizer` and a model vocabulary.
+
+    `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's; every
+    id in `stop_token_ids` ends a complete grammar. `any_whitespace=False` (the default) makes
+    JSON use fixed separators; True allows flexible whitespace, still bounded per gap by
+    `ANY_WHITESPACE_MAX_RUN` characters.
+    """
+    from arborlm.constrained.vocab import TokenVocab
+
+    if name not in GRAMMAR_BACKENDS:
+        raise GrammarError(f"unknown grammar backend {name!r}; expected one of "
+                           f"{', '.join(GRAMMAR_BACKENDS)}", param="grammar_backend")
+    vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size, stop_token_ids)
+    if name == "xgrammar":
+        from arborlm.constrained.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(vocab, any_whitespace=any_whitespace,
+                               compile_timeout_s=compile_timeout_s)
+    from arborlm.constrained.outlines_backend import OutlinesBackend
+
+    return OutlinesBackend(vocab, any_whitespace=any_whitespace,
+                           compile_timeout_s=compile_timeout_s)
+
+
+def _single_allowed_token(row: torch.Tensor) -> int | None:
+    """The id of the only set bit in a bitmask row, or None if zero or several are set."""
+    nonzero = row.nonzero()  # [k, 1]
+    if nonzero.shape[0] != 1:
+        return None
+    word_index = int(nonzero[0, 0])
+    word = int(row[word_index]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return word_index * 32 + word.bit_length() - 1

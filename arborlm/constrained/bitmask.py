@@ -1,0 +1,85 @@
+"""Packed token bitmasks: one int32 row of ceil(vocab/32) words per request, bit i = token i.
+
+The decode loop allocates one `[batch, ceil(V/32)]` mask per step, lets each grammar request's
+matcher fill its row on the CPU, and calls `apply_token_bitmask_` on the logits before sampling:
+masked tokens become -inf, rows without a grammar stay untouched, and logits columns past the
+mask (a model vocabulary padded beyond the grammar's) are masked too.
+
+Applying on CPU mixes two kernels, because their costs scale differently (see
+`benchmarks/grammar_engines.py`): xgrammar's `apply_token_bitmask_inplace` skips words whose 32
+tokens are all allowed but walks the bits of every other word, so it is fastest inside a JSON
+string (nearly everything allowed) and slowest at a structural position (nearly nothing
+allowed); unpacking the bits with numpy and writing -inf where a bit is 0 costs the same for
+any mask. `apply_token_bitmask_` counts the partially masked words and picks the cheaper.
+On a GPU the mask is copied over and xgrammar's GPU kernel applies it. This module does not
+fill masks; matchers do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+# Measured cost ratio (see the benchmark): xgrammar's kernel spends ~6x more per partially
+# masked word than the numpy path spends per word of any kind.
+_BIT_WALK_COST = 6
+# -inf as raw bits, written through an integer view so the numpy path serves every dtype.
+_NEG_INF_BITS = {
+    torch.float32: (torch.int32, np.array(0xFF800000, dtype=np.uint32).view(np.int32)),
+    torch.bfloat16: (torch.int16, np.array(0xFF80, dtype=np.uint16).view(np.int16)),
+    torch.float16: (torch.int16, np.array(0xFC00, dtype=np.uint16).view(np.int16)),
+}
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_token_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    """A `[batch, ceil(vocab_size/32)]` int32 CPU mask, all tokens allowed (-1 = all bits)."""
+    return torch.full((batch, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
+                         rows: torch.Tensor | list[int] | None = None) -> None:
+    """Set `logits[r, t] = -inf` where bit t of `bitmask[r]` is 0, for each r in `rows`.
+
+    logits: [B, V'] float32/bfloat16/float16 (CPU or GPU); bitmask: [B, W] int32 on CPU,
+    W*32 >= the grammar vocabulary. `rows=None` means every row. Columns >= W*32 of the given
+    rows are masked as well. Other rows are not touched.
+    """
+    assert logits.dim() == 2 and bitmask.dim() == 2 and bitmask.dtype == torch.int32
+    assert logits.shape[0] == bitmask.shape[0], (logits.shape, bitmask.shape)
+    row_list = list(range(logits.shape[0])) if rows is None else [int(r) for r in rows]
+    if not row_list:
+        return
+    covered = min(logits.shape[1], bitmask.shape[1] * 32)
+    if logits.shape[1] > covered:
+        logits[row_list, covered:] = float("-inf")
+    if logits.device.type != "cpu":
+        device_mask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=covered,
+                                        indices=row_list)
+    elif _numpy_is_cheaper(bitmask, row_list) and logits.dtype in _NEG_INF_BITS \
+            and logits.is_contiguous():
+        _apply_numpy(logits, bitmask, row_list, covered)
+    else:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=row_list,
+                                        backend="cpu")
+
+
+def _numpy_is_cheaper(bitmask: torch.Tensor, rows: list[int]) -> bool:
+    selected = bitmask if len(rows) == bitmask.shape[0] else bitmask[rows]  # [R, W]
+    partial_words = int((selected != -1).sum())
+    return partial_words * _BIT_WALK_COST > selected.numel()
+
+
+def _apply_numpy(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                 covered: int) -> None:
+    int_dtype, neg_inf = _NEG_INF_BITS[logits.dtype]
+    raw = logits.view(int_dtype).numpy()  # [B, V'] same memory, as integers
+    packed = bitmask.numpy().view(np.uint8)  # [B, 4W] little-endian bytes
+    for r in rows:
+        allowed = np.unpackbits(packed[r], bitorder="little")[:covered]  # [covered] 0/1
+        np.copyto(raw[r, :covered], neg_inf, where=allowed == 0)

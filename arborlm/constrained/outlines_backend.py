@@ -1,0 +1,187 @@
+"""The outlines-core backend: JSON schema, regex and choices through a token-level regex index.
+
+outlines-core turns a JSON schema into one regular expression and the regex into an `Index`
+(a DFA over token ids), so it has no EBNF (asked for one, it fails with a `GrammarError`
+naming xgrammar) and no structural tags. Its JSON follows the same documented defaults as
+xgrammar's: objects are closed, whitespace between elements is `[ ]?` by default (outlines'
+own), and `any_whitespace` allows up to `ANY_WHITESPACE_MAX_RUN` JSON whitespace characters.
+Its JSON strings have no `\\u` escapes and exclude U+007F-U+009F, a narrowing that keeps output
+valid. `$$ANY$$` is any JSON value nested at most three levels deep (outlines' recursion limit).
+
+outlines-core's `Vocabulary` takes a single EOS id; this module adds every other stop id
+itself, allowing them wherever the grammar is complete. Rollback keeps the last
+`MAX_ROLLBACK_TOKENS` states.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import outlines_core
+import torch
+from outlines_core.json_schema import build_regex_from_schema
+
+from arborlm.constrained.base import (
+    ANY_JSON,
+    ANY_WHITESPACE_MAX_RUN,
+    DEFAULT_COMPILE_TIMEOUT_S,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    parse_choices,
+)
+from arborlm.constrained.schema_check import checked_schema
+from arborlm.constrained.schema_rewrite import rewrite_schema
+from arborlm.constrained.vocab import TokenVocab
+from arborlm.errors import GrammarError
+
+MAX_ROLLBACK_TOKENS = 256
+_REGEX_META = frozenset("\\.^$|?*+()[]{}/-\"#&~")
+
+
+class OutlinesBackend(GrammarBackend):
+    name = "outlines"
+
+    def __init__(self, vocab: TokenVocab, *, any_whitespace: bool = False,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S):
+        self.vocab = vocab
+        self.vocab_size = vocab.vocab_size
+        self.stop_token_ids = vocab.stop_token_ids
+        self.any_whitespace = any_whitespace
+        self.compile_timeout_s = compile_timeout_s
+        self.whitespace = f"[ \\t\\n\\r]{{0,{ANY_WHITESPACE_MAX_RUN}}}" if any_whitespace \
+            else "[ ]?"
+        self._vocabulary = outlines_core.Vocabulary(vocab.stop_token_ids[0],
+                                                    vocab.text_token_ids())
+
+    def _compile_json_schema(self, spec: str) -> CompiledGrammar:
+        schema = checked_schema("{}" if spec == ANY_JSON else spec, self.name)
+        try:
+            regex = build_regex_from_schema(json.dumps(rewrite_schema(schema, self.name)),
+                                            self.whitespace)
+        except Exception as e:  # outlines raises ValueError/TypeError with a readable message
+            message = " ".join(str(e).split("\n")[0].split())
+            raise GrammarError(f"invalid json_schema for outlines: {message}",
+                               param="json_schema") from e
+        return self._index("json_schema", spec, regex)
+
+    def _compile_regex(self, spec: str) -> CompiledGrammar:
+        return self._index("regex", spec, spec)
+
+    def _compile_ebnf(self, spec: str) -> CompiledGrammar:
+        raise GrammarError("the outlines grammar backend does not support ebnf grammars; "
+                           "use the xgrammar backend", param="ebnf")
+
+    def _compile_choices(self, spec: str) -> CompiledGrammar:
+        regex = "(" + "|".join(escape_regex(c) for c in parse_choices(spec)) + ")"
+        return self._index("choices", spec, regex)
+
+    def _index(self, kind: str, spec: str, regex: str) -> OutlinesCompiled:
+        try:
+            index = outlines_core.Index(regex, self._vocabulary)
+        except Exception as e:
+            raise GrammarError(f"invalid {kind}: {' '.join(str(e).split())}", param=kind) from e
+        return OutlinesCompiled(kind, spec, index, self.vocab)
+
+
+def escape_regex(text: str) -> str:
+    """`text` as a regex literal: metacharacters backslashed, control characters as \\xHH."""
+    out = []
+    for ch in text:
+        if ch in _REGEX_META:
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+class OutlinesCompiled(CompiledGrammar):
+    def __init__(self, kind: str, spec: str, index: outlines_core.Index, vocab: TokenVocab):
+        self.kind = kind
+        self.spec = spec
+        self._index = index
+        self._vocab = vocab
+
+    def matcher(self) -> OutlinesMatcher:
+        guide = outlines_core.Guide(self._index, max_rollback=MAX_ROLLBACK_TOKENS)
+        return OutlinesMatcher(guide, self._vocab)
+
+
+class OutlinesMatcher(GrammarMatcher):
+    def __init__(self, guide: outlines_core.Guide, vocab: TokenVocab, terminated: bool = False):
+        self._guide = guide
+        self._vocab = vocab
+        self._terminated = terminated
+        self.vocab_size = vocab.vocab_size
+        self.stop_token_ids = vocab.stop_token_ids
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        if token_id in self.stop_token_ids:
+            self._terminated = self._guide.is_finished()
+            return self._terminated
+        if not 0 <= token_id < len(self._vocab.decoded) or not self._vocab.decoded[token_id]:
+            return False
+        try:
+            self._guide.advance(token_id, return_tokens=False)
+        except ValueError:
+            return False
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"
+        target = bitmask[row]  # [ceil(V/32)]
+        assert target.is_contiguous()
+        target.zero_()
+        if self._terminated:
+            return
+        self._guide.write_mask_into(target.data_ptr(), target.numel(), 4)
+        if self._guide.is_finished():
+            for token_id in self.stop_token_ids:
+                target[token_id // 32] |= _bit(token_id % 32)
+
+    def rollback(self, n: int) -> None:
+        if n and self._terminated:
+            self._terminated = False
+            n -= 1
+        if n:
+            self._guide.rollback_state(n)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def is_completed(self) -> bool:
+        return self._terminated or self._guide.is_finished()
+
+    def find_jump_forward_string(self) -> str:
+        """The text of the forced tokens: outlines' index is token-level, so a forced string
+        that tokens could split several ways is not found (xgrammar's is character-level)."""
+        text = b"".join(self._vocab.decoded[t] for t in self.find_jump_forward_tokens()
+                        if t not in self.stop_token_ids)
+        return _complete_utf8_prefix(text)
+
+    def copy(self) -> OutlinesMatcher:
+        return OutlinesMatcher(copy.deepcopy(self._guide), self._vocab, self._terminated)
+
+    def reset(self) -> None:
+        self._guide.reset()
+        self._terminated = False
+
+
+def _bit(position: int) -> int:
+    """The int32 value with only bit `position` set (bit 31 is the sign bit)."""
+    return (1 << position) - (1 << 32 if position == 31 else 0)
+
+
+def _complete_utf8_prefix(data: bytes) -> str:
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", errors="ignore")
+

@@ -1,0 +1,148 @@
+"""The xgrammar backend (the default): every grammar kind, exact masks, native rollback.
+
+JSON schemas compile in xgrammar's strict mode: an object without `additionalProperties` is
+closed (only its listed properties may appear) and an array without `items` beyond its
+`prefixItems` ends there. That is ArborLM's documented default for both backends: output stays
+valid for the schema, and a model cannot pad an object with keys nobody asked for. A schema that
+wants extra keys says so with `additionalProperties` (true or a schema), which xgrammar honours.
+Whitespace: fixed separators `", "` and `": "` by default; with `any_whitespace` any JSON
+whitespace, at most `ANY_WHITESPACE_MAX_RUN` characters per gap. Patterns are matched whole
+(as if anchored). Keywords xgrammar would drop are rejected first by `schema_check`.
+
+Choices compile as an EBNF alternation of string literals (exact for any characters).
+This module does not cache or time out compiles; `compile_cache.GrammarCompiler` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+import xgrammar as xgr
+
+from arborlm.constrained.base import (
+    ANY_JSON,
+    ANY_WHITESPACE_MAX_RUN,
+    DEFAULT_COMPILE_TIMEOUT_S,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    parse_choices,
+)
+from arborlm.constrained.schema_check import checked_schema
+from arborlm.constrained.schema_rewrite import rewrite_schema
+from arborlm.constrained.vocab import TokenVocab
+from arborlm.errors import GrammarError
+
+_LOG_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, vocab: TokenVocab, *, any_whitespace: bool = False,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S):
+        self.vocab = vocab
+        self.vocab_size = vocab.vocab_size
+        self.stop_token_ids = vocab.stop_token_ids
+        self.any_whitespace = any_whitespace
+        self.compile_timeout_s = compile_timeout_s
+        self.tokenizer_info = xgr.TokenizerInfo(
+            list(vocab.decoded), xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
+            stop_token_ids=list(vocab.stop_token_ids), add_prefix_space=vocab.add_prefix_space)
+        # ArborLM's own GrammarCompiler caches (bounded, with errors); xgrammar's would duplicate.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info,
+                                             max_threads=min(4, os.cpu_count() or 1),
+                                             cache_enabled=False)
+
+    def _compile_json_schema(self, spec: str) -> CompiledGrammar:
+        schema = checked_schema("{}" if spec == ANY_JSON else spec, self.name)
+        text = json.dumps(rewrite_schema(schema, self.name))
+        ws = {"any_whitespace": True, "max_whitespace_cnt": ANY_WHITESPACE_MAX_RUN} \
+            if self.any_whitespace else {"any_whitespace": False}
+        return self._wrap("json_schema", spec, lambda: self._compiler.compile_json_schema(
+            text, strict_mode=True, **ws))
+
+    def _compile_regex(self, spec: str) -> CompiledGrammar:
+        return self._wrap("regex", spec, lambda: self._compiler.compile_regex(spec))
+
+    def _compile_ebnf(self, spec: str) -> CompiledGrammar:
+        return self._wrap("ebnf", spec, lambda: self._compiler.compile_grammar(spec))
+
+    def _compile_choices(self, spec: str) -> CompiledGrammar:
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in parse_choices(spec))
+        return self._wrap("choices", spec,
+                          lambda: self._compiler.compile_grammar(f"root ::= {literals}"))
+
+    def _compile_structural_tag(self, spec: str) -> CompiledGrammar:
+        return self._wrap("structural_tag", spec,
+                          lambda: self._compiler.compile_structural_tag(spec))
+
+    def _wrap(self, kind: str, spec: str, build) -> XGrammarCompiled:
+        try:
+            compiled = build()
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own types
+            raise GrammarError(f"invalid {kind}: {_clean_message(e)}", param=kind) from e
+        return XGrammarCompiled(kind, spec, compiled, self.vocab_size, self.stop_token_ids)
+
+
+class XGrammarCompiled(CompiledGrammar):
+    def __init__(self, kind: str, spec: str, compiled: xgr.CompiledGrammar, vocab_size: int,
+                 stop_token_ids: tuple[int, ...]):
+        self.kind = kind
+        self.spec = spec
+        self._compiled = compiled
+        self._vocab_size = vocab_size
+        self._stop_token_ids = stop_token_ids
+
+    def matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(self._compiled), self._vocab_size,
+                               self._stop_token_ids)
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int,
+                 stop_token_ids: tuple[int, ...]):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._matcher.is_terminated():
+            bitmask[row].zero_()
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._matcher.rollback(n)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+    def is_completed(self) -> bool:
+        return bool(self._matcher.is_completed())
+
+    def find_jump_forward_string(self) -> str:
+        if self._matcher.is_terminated():
+            return ""
+        return self._matcher.find_jump_forward_string()
+
+    def copy(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._matcher.fork(), self.vocab_size, self.stop_token_ids)
+
+    def reset(self) -> None:
+        self._matcher.reset()
+
+
+def _clean_message(error: Exception) -> str:
+    """xgrammar's C++ errors start with a timestamp and a source path; keep the message."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(error).strip().splitlines()]
+    return " ".join(line for line in lines if line) or type(error).__name__
