@@ -5,9 +5,9 @@ the kernels read (one host-to-device copy per step, shared by every layer); `for
 `forward_decode` launch the kernels of `triton_kernels` over the shared KV pool. Works for any
 page size, since the kernels gather K/V per position through `req_to_token`.
 
-Runs on a GPU (written for NVIDIA), and on CPU only in Triton's interpreter (`TRITON_INTERPRET=1` set
-before Triton is first imported), which is how CI tests it. It is not a fallback for CPU
-serving: the interpreter is orders of magnitude slower than `torch_native`.
+Runs on a GPU (written for NVIDIA), and on CPU only in Triton's interpreter
+(`TRITON_INTERPRET=1` set before Triton is first imported), which is how CI tests it. It is not
+a fallback for CPU serving: the interpreter is orders of magnitude slower than `torch_native`.
 """
 
 from __future__ import annotations
