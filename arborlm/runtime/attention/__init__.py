@@ -1,1 +1,1 @@
-"""Attention backends over the paged KV pool: torch_native (CPU/GPU reference), triton, flashinfer."""
+"""Attention backends over the paged KV pool: torch_native (reference), triton, flashinfer."""
