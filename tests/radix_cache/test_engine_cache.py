@@ -184,3 +184,15 @@ def test_dfs_weight_keeps_fork_siblings_together(path):
     groups = [r.origin_input_ids[:4] == hf_tokenizer(path).encode(a)[:4]
               for r in d.scheduler.waiting.ordered()]
     assert groups in ([True] * 3 + [False] * 2, [False] * 2 + [True] * 3)
+
+
+def test_requests_arriving_together_share_their_prefix(path):
+    engine = Engine(path, dtype="float32", debug_integrity=True)
+    shared = BASE * 3
+    prompts = [shared + f" q{i}" for i in range(8)]
+    outs = engine.generate(prompts, GREEDY)
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    n_shared = len(hf_tokenizer(path).encode(shared)) - 2
+    assert cached.count(0) == 1 and all(c >= n_shared for c in cached if c)
+    alone = Engine(path, dtype="float32", disable_radix_cache=True).generate(prompts, GREEDY)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in alone]

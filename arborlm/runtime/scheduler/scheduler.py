@@ -22,6 +22,7 @@ from arborlm.runtime.model_runner import ModelRunner
 from arborlm.runtime.request import FinishReason, Req
 from arborlm.runtime.scheduler.admission import PrefillBudget, reserved_tokens
 from arborlm.runtime.scheduler.batch import ScheduledBatch
+from arborlm.runtime.scheduler.in_batch_prefix import InBatchPrefixFilter, NoInBatchFilter
 from arborlm.runtime.scheduler.outputs import ReqOutput, make_output
 from arborlm.runtime.scheduler.policy import WaitingQueue
 from arborlm.runtime.scheduler.results import ResultProcessor
@@ -46,6 +47,8 @@ class Scheduler:
         self.cache = create_prefix_cache(self.args.disable_radix_cache, self.req_pool,
                                          self.allocator, self.page_size)
         self.waiting = WaitingQueue(self.args.schedule_policy, self.cache)
+        self.in_batch = (NoInBatchFilter() if self.args.disable_radix_cache
+                         else InBatchPrefixFilter())
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -140,9 +143,13 @@ class Scheduler:
             if adm is not None:
                 self.chunked_req = None
                 slots.append(self._add_to_batch(batch, req, req.computed_len, adm))
+        self.in_batch.start_batch()
         for req in self.waiting.ordered():
             evictable = self.cache.evictable_size()
             self._match_and_lock(req)
+            if batch.reqs and self.in_batch.should_defer(req):
+                self._unlock(req)  # its prefix will be cached after this step
+                continue
             # Slots the lock just protected can no longer be evicted for this batch.
             budget.rem_total -= evictable - self.cache.evictable_size()
             adm = budget.try_admit(req, req.cached_len)
@@ -150,6 +157,7 @@ class Scheduler:
                 self._unlock(req)
                 break
             slots.append(self._add_to_batch(batch, req, req.cached_len, adm))
+            self.in_batch.admitted(req)
             self.waiting.remove([req])
         if not batch.reqs:
             return None
