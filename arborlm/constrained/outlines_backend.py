@@ -6,7 +6,9 @@ naming xgrammar) and no structural tags. Its JSON follows the same documented de
 xgrammar's: objects are closed, whitespace between elements is `[ ]?` by default (outlines'
 own), and `any_whitespace` allows up to `ANY_WHITESPACE_MAX_RUN` JSON whitespace characters.
 Its JSON strings have no `\\u` escapes and exclude U+007F-U+009F, a narrowing that keeps output
-valid. `$$ANY$$` is any JSON value nested at most three levels deep (outlines' recursion limit).
+valid. Its regexes match leftmost-first: in a user regex `(cat|cats)`, "cats" is unreachable
+(outputs still match; choices are ordered longest first to avoid this). `$$ANY$$` is any JSON
+value nested at most three levels deep (outlines' recursion limit).
 
 outlines-core's `Vocabulary` takes a single EOS id; this module adds every other stop id
 itself, allowing them wherever the grammar is complete. Rollback keeps the last
@@ -74,7 +76,10 @@ class OutlinesBackend(GrammarBackend):
                            "use the xgrammar backend", param="ebnf")
 
     def _compile_choices(self, spec: str) -> CompiledGrammar:
-        regex = "(" + "|".join(escape_regex(c) for c in parse_choices(spec)) + ")"
+        # Longest first: outlines-core's regexes match leftmost-first, so in "(alpha|alphabet)"
+        # the first alternative wins and "alphabet" could never be generated.
+        choices = sorted(parse_choices(spec), key=len, reverse=True)
+        regex = "(" + "|".join(escape_regex(c) for c in choices) + ")"
         return self._index("choices", spec, regex)
 
     def _index(self, kind: str, spec: str, regex: str) -> OutlinesCompiled:

@@ -162,9 +162,12 @@ def _unsupported(key: str, value: Any, node: dict[str, Any], backend: str,
     """Why `key` would be dropped, or None when it is enforced or cannot matter."""
     if key == "format":
         standard = isinstance(value, str) and value in _STANDARD_FORMATS
-        return "not checked" if standard and value not in _FORMATS[backend] else None
+        return f"format {value!r} not checked" if standard and value not in _FORMATS[
+            backend] else None
     if key == "required" and isinstance(value, list):
         return _undefined_required(value, node)
+    if key == "items" and isinstance(value, list):
+        return "a list of schemas (draft-4 tuple) is not supported; use prefixItems"
     if key in ("minLength", "maxLength") and ("pattern" in node or supports_format(
             backend, node.get("format"))):
         return "not enforced together with pattern or format"

@@ -9,9 +9,10 @@ engine then generates still validates against the schema the user sent:
   matches any Unicode digit ("３༣69-12-06").
 - outlines-core: `\\d` in a `pattern` becomes `[0-9]` (JSON Schema patterns are ECMA-262, where
   `\\d` is ASCII).
-- xgrammar: a string bounded only by `minLength`/`maxLength` becomes the pattern
-  `^[^\\x00-\\x1f]{m,n}$`; xgrammar 0.2.9 builds such strings from `[^"\\\\\\r\\n]{m,n}`, which lets
-  raw control characters through (invalid JSON) and forbids escapes.
+- xgrammar: a string bounded only by `minLength`/`maxLength` becomes a pattern of m to n
+  characters that are neither control characters nor UTF-16 surrogates; xgrammar 0.2.9 builds
+  such strings from `[^"\\\\\\r\\n]{m,n}`, which lets raw control characters through (invalid
+  JSON) and forbids escapes.
 
 Rewrites happen in place on the fresh object `schema_check.checked_schema` returns. This module
 does not decide what is supported; `schema_check` does, before it.
@@ -46,7 +47,7 @@ def rewrite_schema(schema: Any, backend: str) -> Any:
             node["pattern"] = ascii_digits(node["pattern"])
         if backend == "xgrammar" and _length_only_string(node):
             low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-            node["pattern"] = f"^[^\\x00-\\x1f]{{{low},{high}}}$"
+            node["pattern"] = f"^[^\\x00-\\x1f\\ud800-\\udfff]{{{low},{high}}}$"
     return schema
 
 

@@ -37,6 +37,8 @@ from arborlm.constrained.vocab import TokenVocab
 from arborlm.errors import GrammarError
 
 _LOG_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
+_STRING_OR_CLASS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
+_ANY_CHAR = "[\\0-\\U0010ffff]"
 
 
 class XGrammarBackend(GrammarBackend):
@@ -62,14 +64,16 @@ class XGrammarBackend(GrammarBackend):
         text = json.dumps(rewrite_schema(schema, self.name))
         ws = {"any_whitespace": True, "max_whitespace_cnt": ANY_WHITESPACE_MAX_RUN} \
             if self.any_whitespace else {"any_whitespace": False}
-        return self._wrap("json_schema", spec, lambda: self._compiler.compile_json_schema(
-            text, strict_mode=True, **ws))
+        return self._wrap("json_schema", spec, lambda: self._compile_valid_utf8(
+            xgr.Grammar.from_json_schema(text, strict_mode=True, **ws)))
 
     def _compile_regex(self, spec: str) -> CompiledGrammar:
-        return self._wrap("regex", spec, lambda: self._compiler.compile_regex(spec))
+        return self._wrap("regex", spec,
+                          lambda: self._compile_valid_utf8(xgr.Grammar.from_regex(spec)))
 
     def _compile_ebnf(self, spec: str) -> CompiledGrammar:
-        return self._wrap("ebnf", spec, lambda: self._compiler.compile_grammar(spec))
+        return self._wrap("ebnf", spec,
+                          lambda: self._compile_valid_utf8(xgr.Grammar.from_ebnf(spec)))
 
     def _compile_choices(self, spec: str) -> CompiledGrammar:
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in parse_choices(spec))
@@ -79,6 +83,10 @@ class XGrammarBackend(GrammarBackend):
     def _compile_structural_tag(self, spec: str) -> CompiledGrammar:
         return self._wrap("structural_tag", spec,
                           lambda: self._compiler.compile_structural_tag(spec))
+
+    def _compile_valid_utf8(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        return self._compiler.compile_grammar(xgr.Grammar.from_ebnf(
+            exclude_surrogates(str(grammar))))
 
     def _wrap(self, kind: str, spec: str, build) -> XGrammarCompiled:
         try:
@@ -140,6 +148,24 @@ class XGrammarMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._matcher.reset()
+
+
+def exclude_surrogates(ebnf: str) -> str:
+    """Keep UTF-16 surrogates (U+D800-U+DFFF) out of every "any character but ..." class.
+
+    xgrammar 0.2.9 matches characters as UTF-8 code points but admits the surrogate range, so
+    a JSON string could receive bytes such as ED A9 90, which are not UTF-8 and decode to
+    U+FFFD replacement characters (breaking `maxLength`). Negated classes and the any-character
+    class `[\\0-\\U0010ffff]` of the printed grammar get the range excluded; string literals
+    and `Regex("...")` bodies are skipped.
+    """
+    def fix(match: re.Match[str]) -> str:
+        token = match.group(0)
+        if token.startswith("[^"):
+            return token[:-1] + "\\ud800-\\udfff]"
+        return "[^\\ud800-\\udfff]" if token == _ANY_CHAR else token
+
+    return _STRING_OR_CLASS.sub(fix, ebnf)
 
 
 def _clean_message(error: Exception) -> str:

@@ -27,6 +27,24 @@ class Generation:
         return b"".join(vocab.decoded[t] for t in self.token_ids).decode("utf-8")
 
 
+def force_text(matcher: GrammarMatcher, vocab: TokenVocab, text: str) -> list[int] | None:
+    """Spell `text` with tokens the grammar allows (longest allowed prefix each step); the ids,
+    or None when the grammar admits no spelling this greedy walk finds."""
+    data, ids = text.encode(), []
+    mask = allocate_token_bitmask(1, vocab.vocab_size)  # [1, W]
+    while data:
+        matcher.fill_bitmask(mask, 0)
+        bits = mask[0]
+        best = max((t for t, piece in enumerate(vocab.decoded)
+                    if piece and data.startswith(piece) and (int(bits[t // 32]) >> (t % 32)) & 1),
+                   key=lambda t: len(vocab.decoded[t]), default=None)
+        if best is None or not matcher.accept_token(best):
+            return None
+        ids.append(best)
+        data = data[len(vocab.decoded[best]):]
+    return ids
+
+
 def closing_bias(vocab: TokenVocab) -> torch.Tensor:
     bias = torch.zeros(vocab.vocab_size)  # [V]
     for token_id, text in enumerate(vocab.decoded):
