@@ -1,0 +1,158 @@
+"""`arborlm serve` / `python -m arborlm.server`: load the engine, then serve HTTP with uvicorn.
+
+Flags are generated from the two option dataclasses, so each is documented once: the server's
+own (`ServerArgs`) and the engine's (`EngineArgs`, under SGLang's flag names). The engine is
+loaded before the socket opens; once the server listens it logs one "ready" line with its
+address. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for
+up to `--drain-timeout` seconds, shuts the engine down and exits with status 0. Importing this
+module is cheap: FastAPI, uvicorn and the engine load inside `serve_main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from arborlm.server.server_args import ENGINE_MODES, LOG_LEVELS, ServerArgs
+
+logger = logging.getLogger("arborlm.server")
+
+# EngineArgs fields whose SGLang flag name differs from the field name.
+SGLANG_FLAG_NAMES = {"mem_fraction": "--mem-fraction-static"}
+_CHOICES = {"engine_mode": ENGINE_MODES, "log_level": LOG_LEVELS,
+            "schedule_policy": ("fcfs", "lpm", "dfs-weight"),
+            "attention_backend": ("auto", "torch_native", "triton", "flashinfer"),
+            "dtype": ("auto", "float32", "bfloat16", "float16")}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _add_fields(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = SGLANG_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        kind = str(f.type).split("|")[0].strip()
+        help_text = f.metadata.get("help", "")
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default is not None:
+            help_text += f" (default: {default})"
+        group.add_argument(flag, dest=f.name, type=_TYPES[kind], default=None,
+                           choices=_CHOICES.get(f.name), help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from arborlm.runtime.config import EngineArgs
+
+    parser = argparse.ArgumentParser(
+        prog="arborlm serve",
+        description="Serve a model over HTTP: SGLang's native API (/generate, ...) and an "
+                    "OpenAI-compatible API (/v1/completions, /v1/chat/completions).")
+    parser.add_argument("--model-path", default=None,
+                        help="Hugging Face model directory (default: the built-in default "
+                             "model, random weights).")
+    _add_fields(parser.add_argument_group("server"), ServerArgs)
+    _add_fields(parser.add_argument_group("engine"), EngineArgs, skip=("model_path",))
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[ServerArgs, Any]:
+    from arborlm.runtime.config import EngineArgs
+
+    values = vars(build_parser().parse_args(argv))
+
+    def pick(cls: type) -> dict[str, Any]:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in values.items() if k in names and v is not None and v is not False}
+
+    engine = pick(EngineArgs)
+    engine["model_path"] = values["model_path"]
+    return ServerArgs(**pick(ServerArgs)), EngineArgs(**engine)
+
+
+def serve_main(argv: list[str]) -> int:
+    server_args, engine_args = parse_args(argv)
+    logging.basicConfig(level=server_args.log_level.upper(), force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    from arborlm.errors import InvalidRequestError, ModelLoadError
+    from arborlm.runtime.engine import create_client
+
+    logger.info("loading %s (engine: %s)", engine_args.model_path or "the default model",
+                server_args.engine_mode)
+    try:
+        client = create_client(engine_args, server_args.engine_mode)
+    except (InvalidRequestError, ModelLoadError) as e:
+        logger.error("cannot start the engine: %s", e)
+        return 2
+    try:
+        return _serve(client, server_args, engine_args)
+    finally:
+        client.shutdown()
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _serve(client: Any, server_args: ServerArgs, engine_args: Any) -> int:
+    import uvicorn
+
+    from arborlm.server.app import create_app
+
+    app = create_app(client, server_args, engine_args)
+    config = uvicorn.Config(
+        app, host=server_args.host, port=server_args.port, log_config=None,
+        log_level=server_args.log_level, access_log=server_args.log_level == "debug",
+        timeout_graceful_shutdown=server_args.drain_timeout, lifespan="on")
+    server = _Server(config, ready_note=f"model {client.config.model.path}, "
+                                       f"engine {server_args.engine_mode}")
+    server.run()
+    return 0 if server.started else 1
+
+
+def _uvicorn_server() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, plus the ready line and a clean exit after a drained SIGTERM."""
+
+        def __init__(self, config: Any, ready_note: str):
+            super().__init__(config)
+            self.ready_note = ready_note
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.should_exit or not self.servers:
+                return
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            logger.info("ArborLM server ready at http://%s:%d (%s)", host, port,
+                        self.ready_note)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would
+            # end the process with the signal's status; the drain is done, so exit normally.
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return Server
+
+
+def _Server(config: Any, ready_note: str) -> Any:  # noqa: N802 - builds the class lazily
+    return _uvicorn_server()(config, ready_note)
+
+
+def main() -> None:
+    raise SystemExit(serve_main(sys.argv[1:]))

@@ -1,0 +1,248 @@
+"""The OpenAI-compatible API: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Each route turns its request (see `openai_protocol.py`) into one native `GenerateRequest`,
+runs it through the shared `GenerationRunner`, and shapes the native events into OpenAI's
+objects (`openai_format.py`): choices in prompt-major order (prompt i, sample j -> index
+i * n + j), `usage` with cached prompt tokens, and for `stream` OpenAI's chunk format ending in
+`data: [DONE]`, with a final usage chunk when `stream_options.include_usage` is set. Chat
+prompts are rendered with the chat template (`chat.py`) and sent to the engine as token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from arborlm.errors import InvalidRequestError
+from arborlm.runtime.generate_request import GenerateRequest
+from arborlm.server import openai_format as fmt
+from arborlm.server import sse
+from arborlm.server.errors import ApiError, error_body
+from arborlm.server.generation import Event, collect_finals, race_disconnect, started
+from arborlm.server.jsonresp import JSONResponse
+from arborlm.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from arborlm.server.state import ServerState, server_state
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+START_TIME = int(time.time())
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = server_state(request)
+    card = {"id": state.model_name, "object": "model", "created": START_TIME,
+            "owned_by": "arborlm", "root": state.client.config.model.path,
+            "max_model_len": state.context_length}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@dataclass
+class _Reply:
+    """What shaping a response needs besides the events."""
+
+    id: str
+    object: str
+    model: str
+    n: int
+    logprobs: bool
+    include_usage: bool
+    path: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+
+    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+
+# --- completions -------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, f"best_of must equal n ({body.n}); ArborLM returns every sample",
+                       "best_of")
+    texts, ids = _prompts(body.prompt)
+    count = len(texts if texts is not None else ids)
+    base = body.rid or f"cmpl-{uuid.uuid4().hex}"
+    sampling = body.base_sampling()
+    sampling["max_new_tokens"] = (body.max_tokens if body.max_tokens is not None
+                                  else state.context_length)
+    if body.json_schema is not None:
+        sampling["json_schema"] = body.json_schema
+    wants_lp = body.logprobs is not None
+    req = GenerateRequest(
+        text=texts, input_ids=ids, sampling_params=sampling,
+        rid=base if count == 1 else [f"{base}-p{i}" for i in range(count)],
+        return_logprob=wants_lp, top_logprobs_num=body.logprobs or 0,
+        logprob_start_len=0 if body.echo and wants_lp else -1, priority=body.priority)
+    echoes = None
+    if body.echo:
+        echoes = texts if texts is not None else [state.tokenizer.decode(p) for p in ids]
+    reply = _Reply(base, "text_completion", state.model_name, body.n, wants_lp,
+                   body.include_usage, request.url.path)
+    events = state.runner.events(req, "max_tokens")
+    if body.stream:
+        stream = await started(request, events)
+        return sse.SSEResponse(_completion_stream(state, reply, stream, echoes))
+    finals = await race_disconnect(request, collect_finals(events))
+    choices = [fmt.completion_choice(i, f, state.token_texts, logprobs=wants_lp,
+                                     echo=None if echoes is None else echoes[i // body.n])
+               for i, f in enumerate(finals)]
+    return JSONResponse(reply.envelope(choices, usage=fmt.usage(finals, body.n)))
+
+
+def _prompts(prompt: Any) -> tuple[list[str] | None, list[list[int]] | None]:
+    if isinstance(prompt, str):
+        return [prompt], None
+    if prompt and isinstance(prompt[0], int):
+        return None, [prompt]
+    if prompt and isinstance(prompt[0], list):
+        return None, prompt
+    if not prompt:
+        raise InvalidRequestError("prompt is empty", "prompt")
+    return prompt, None
+
+
+async def _completion_stream(state: ServerState, reply: _Reply, stream: AsyncIterator[Event],
+                             echoes: list[str] | None) -> AsyncIterator[bytes]:
+    texts = state.token_texts
+
+    def chunk(index: int, event: dict[str, Any], sent: int, first: bool) -> dict[str, Any]:
+        meta = event["meta_info"]
+        delta = event["text"][sent:]
+        echo = None if echoes is None else echoes[index // reply.n]
+        lp = None
+        if reply.logprobs:
+            lp = fmt.completion_logprobs(texts, fmt.completion_segments(meta, echo, sent))
+        if first and echo is not None:
+            delta = echo + delta
+        return {"index": index, "text": delta, "logprobs": lp,
+                "finish_reason": fmt.finish_reason(meta), "matched_stop": fmt.matched_stop(meta)}
+
+    async for item in _openai_stream(reply, stream, chunk):
+        yield item
+
+
+# --- chat --------------------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    sampling = body.base_sampling()
+    sampling.update(_structured_output(body))
+    tools = body.tools if body.tool_choice != "none" else None
+    prompt = state.chat.render(body.messages, tools, body.chat_template_kwargs)
+    ids = state.chat.encode(prompt)
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    sampling["max_new_tokens"] = limit if limit is not None else state.context_length
+    base = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+    top = body.top_logprobs or 0
+    req = GenerateRequest(input_ids=ids, sampling_params=sampling, rid=base,
+                          return_logprob=body.logprobs, top_logprobs_num=top if body.logprobs
+                          else 0, priority=body.priority)
+    reply = _Reply(base, "chat.completion", state.model_name, body.n, body.logprobs,
+                   body.include_usage, request.url.path)
+    events = state.runner.events(req, "max_tokens")
+    if body.stream:
+        stream = await started(request, events)
+        reply.object = "chat.completion.chunk"
+        return sse.SSEResponse(_chat_stream(state, reply, stream))
+    finals = await race_disconnect(request, collect_finals(events))
+    choices = [fmt.chat_choice(i, f, state.token_texts, logprobs=body.logprobs)
+               for i, f in enumerate(finals)]
+    return JSONResponse(reply.envelope(choices, usage=fmt.usage(finals, body.n)))
+
+
+def _structured_output(body: ChatCompletionRequest) -> dict[str, Any]:
+    """Sampling fields for `response_format` / `tool_choice` (grammar-constrained decoding)."""
+    choice = body.tool_choice
+    if choice == "required" or (choice is not None and not isinstance(choice, str)):
+        raise ApiError(400, "tool_choice 'required' and named functions need constrained tool "
+                       "calls, which this server does not provide yet; use 'auto' or 'none'",
+                       "tool_choice")
+    fmt_ = body.response_format
+    if fmt_ is None or fmt_.type == "text":
+        return {}
+    if fmt_.type == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    schema = fmt_.json_schema.schema_
+    return {"json_schema": json.dumps(schema if schema is not None else {"type": "object"})}
+
+
+async def _chat_stream(state: ServerState, reply: _Reply,
+                       stream: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    texts = state.token_texts
+
+    def chunk(index: int, event: dict[str, Any], sent: int, first: bool) -> dict[str, Any]:
+        meta = event["meta_info"]
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        text = event["text"][sent:]
+        if text or first:
+            delta["content"] = text
+        lp = None
+        if reply.logprobs:
+            lp = fmt.chat_logprobs(texts, meta.get("output_token_logprobs", []),
+                                   meta.get("output_top_logprobs", []))
+        return {"index": index, "delta": delta, "logprobs": lp,
+                "finish_reason": fmt.finish_reason(meta), "matched_stop": fmt.matched_stop(meta)}
+
+    async for item in _openai_stream(reply, stream, chunk):
+        yield item
+
+
+# --- streaming, shared -------------------------------------------------------------------------
+
+ChunkFn = Callable[[int, dict[str, Any], int, bool], dict[str, Any]]
+
+
+async def _openai_stream(reply: _Reply, stream: AsyncIterator[Event],
+                         make_choice: ChunkFn) -> AsyncIterator[bytes]:
+    """OpenAI chunks from native events: one choice delta per event that adds something."""
+    sent: dict[int, int] = {}
+    finals: dict[int, dict[str, Any]] = {}
+    extra = {"usage": None} if reply.include_usage else {}
+    try:
+        async with aclosing(stream):
+            async for index, event in stream:
+                first = index not in sent
+                choice = make_choice(index, event, sent.get(index, 0), first)
+                sent[index] = max(sent.get(index, 0), len(event["text"]))
+                if event["meta_info"].get("finish_reason") is not None:
+                    finals[index] = event
+                if first or _adds_something(choice):
+                    yield sse.event(reply.envelope([choice], **extra))
+    except InvalidRequestError as e:
+        yield sse.event(error_body(reply.path, 400, e.message, e.param))
+    except Exception as e:  # noqa: BLE001 - reported to the client mid-stream
+        logger.exception("generation failed mid-stream")
+        yield sse.event(error_body(reply.path, 500, f"generation failed: {e}"))
+    else:
+        if reply.include_usage:
+            ordered = [finals[i] for i in sorted(finals)]
+            yield sse.event(reply.envelope([], usage=fmt.usage(ordered, reply.n)))
+    yield sse.DONE
+
+
+def _adds_something(choice: dict[str, Any]) -> bool:
+    lp = choice.get("logprobs") or {}
+    return bool(choice.get("text") or choice.get("delta") or choice.get("finish_reason")
+                or lp.get("tokens") or lp.get("content"))

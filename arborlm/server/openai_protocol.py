@@ -1,0 +1,193 @@
+"""Pydantic models of the OpenAI-compatible requests (`/v1/completions`, `/v1/chat/completions`).
+
+Field names, defaults and bounds follow OpenAI's API; ArborLM's extensions (API.md: `top_k`,
+`min_p`, `regex`, `rid`, ...) sit beside them and arrive from the `openai` client as
+`extra_body`. `sampling_params()` maps a request onto the engine's native sampling parameters;
+the engine checks the remaining value ranges. Fields OpenAI defines but ArborLM ignores
+(`user`, `store`, ...) are accepted; unknown fields are a 400 naming them, as OpenAI does.
+Structured outputs (`response_format`) and tools are typed here so the grammar layer can take
+them over; the chat adapter decides which of them it can serve.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from arborlm.server.limits import MAX_N, MAX_OPENAI_TOP_LOGPROBS, MAX_STOP_STRINGS
+from arborlm.server.protocol import Bool, Float, Int, Str, TokenIds
+
+StopList = Annotated[list[Str], Field(max_length=MAX_STOP_STRINGS)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Model):
+    include_usage: Bool = False
+
+
+class _SamplingFields(_Model):
+    """Fields shared by completions and chat completions (OpenAI's, then ArborLM's)."""
+
+    model: Str | None = None
+    temperature: Float | None = Field(default=None, ge=0)
+    top_p: Float | None = Field(default=None, gt=0, le=1)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    stop: Str | StopList | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # OpenAI fields accepted and ignored.
+    user: Str | None = None
+    store: Bool | None = None
+    metadata: dict[str, Str] | None = None
+    service_tier: Str | None = None
+    # ArborLM / SGLang extensions (API.md).
+    top_k: Int | None = None
+    min_p: Float | None = None
+    min_tokens: Int | None = Field(default=None, ge=0)
+    repetition_penalty: Float | None = None
+    regex: Str | None = None
+    ebnf: Str | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: Bool | None = None
+    skip_special_tokens: Bool | None = None
+    spaces_between_special_tokens: Bool | None = None
+    no_stop_trim: Bool | None = None
+    rid: Str | None = None
+    priority: Int | None = None
+
+    def base_sampling(self) -> dict[str, Any]:
+        params = {
+            "temperature": self.temperature, "top_p": self.top_p, "n": self.n,
+            "stop": self.stop, "sampling_seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "logit_bias": self.logit_bias,
+            "top_k": self.top_k, "min_p": self.min_p, "min_new_tokens": self.min_tokens,
+            "repetition_penalty": self.repetition_penalty, "regex": self.regex,
+            "ebnf": self.ebnf, "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+        return {k: v for k, v in params.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """Body of `POST /v1/completions`."""
+
+    prompt: Str | list[Str] | TokenIds | list[TokenIds]
+    max_tokens: Int | None = Field(default=16, ge=0)
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_OPENAI_TOP_LOGPROBS)
+    echo: Bool = False
+    best_of: Int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: Str | None = None
+    json_schema: Str | None = None
+
+
+# --- chat ------------------------------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only `text` parts can reach a text-only model."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Str
+    text: Str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Str
+    arguments: Str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[ContentPart] | None = None
+    name: Str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Str | None = None
+
+
+class FunctionDef(_Model):
+    name: Str
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: Str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Model):
+    name: Str | None = None
+    description: Str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormatText(_Model):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Model):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Model):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+    Field(discriminator="type")]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """Body of `POST /v1/chat/completions`."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Int | None = Field(default=None, ge=0)
+    max_completion_tokens: Int | None = Field(default=None, ge=0)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_OPENAI_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
