@@ -80,15 +80,24 @@ class TorchNativeBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
         meta: _DecodeMeta = batch.attn_metadata
-        bsz = q.shape[0]
-        group = layer.num_heads // layer.num_kv_heads
-        k = batch.kv_pool.k_buffer[layer.layer_id][meta.slots]  # [B, L, Hkv, D]
-        v = batch.kv_pool.v_buffer[layer.layer_id][meta.slots]
-        k = k.permute(0, 2, 3, 1).to(q.dtype)  # [B, Hkv, D, L]
-        v = v.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-        qg = q.view(bsz, layer.num_kv_heads, group, layer.head_dim)  # [B, Hkv, G, D]
-        scores = torch.matmul(qg, k).float() * layer.scaling  # [B, Hkv, G, L]
-        scores = scores + meta.mask
+        bsz, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // hkv
+        pool = batch.kv_pool
+        k = pool.k_buffer[layer.layer_id][meta.slots].view(bsz, -1, hkv * d)  # [B, L, Hkv*D]
+        v = pool.v_buffer[layer.layer_id][meta.slots].view(bsz, -1, hkv * d)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        # Grouped-query attention as two plain batched matmuls over the gathered cache, with
+        # the queries laid out block-diagonally: query head (h, g) holds its vector in KV head
+        # h's block and zeros elsewhere. It spends Hkv× the (small) decode FLOPs but reads K and
+        # V once, contiguously, with no per-head copies.
+        qg = q.view(bsz, hkv, group, d)  # [B, Hkv, G, D]
+        qb = torch.zeros(bsz, hkv, group, hkv, d, dtype=q.dtype, device=q.device)
+        idx = torch.arange(hkv, device=q.device)
+        qb[:, idx, :, idx] = qg.transpose(0, 1)  # [Hkv, B, G, D] into the diagonal blocks
+        qb = qb.view(bsz, hkv * group, hkv * d)  # [B, H, Hkv*D]
+        scores = torch.bmm(qb, k.transpose(1, 2)).float()  # [B, H, L]
+        scores.mul_(layer.scaling).add_(meta.mask[:, 0])
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v)  # [B, Hkv, G, D]
-        return out.reshape(bsz, layer.num_heads, layer.head_dim)
+        out = torch.bmm(probs, v).view(bsz, hkv, group, hkv, d)  # [B, Hkv, G, Hkv, D]
+        out = out[:, idx, :, idx]  # [Hkv, B, G, D]: each head's own block
+        return out.transpose(0, 1).reshape(bsz, layer.num_heads, d)
