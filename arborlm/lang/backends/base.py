@@ -64,3 +64,9 @@ class BaseBackend(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend started (an owned engine, HTTP sessions)."""
+
+    def __enter__(self) -> BaseBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,42 @@
+"""Streaming: `run(stream=True)` returns at once; `text_iter()` yields text as it is generated
+(`text_async_iter()` is the asyncio version).
+
+    python examples/streaming.py [--url URL]
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from example_backend import backend_from_args
+
+import arborlm as sgl
+
+
+@sgl.function
+def story(s, topic):
+    s += sgl.user(f"Tell a short story about {topic}.")
+    s += sgl.assistant(sgl.gen("story", max_tokens=32))
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    with backend_from_args(__doc__.splitlines()[0], argv) as backend:
+        state = story.run("a lighthouse", backend=backend, stream=True, temperature=0)
+        pieces = []
+        for piece in state.text_iter("story"):
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+        print(f"\n[{len(pieces)} pieces]")
+
+        async def stream_async() -> None:
+            s = story.run("a robot", backend=backend, stream=True)
+            async for piece in s.text_async_iter():
+                print(piece, end="", flush=True)
+            print()
+
+        asyncio.run(stream_async())
+        return pieces
+
+
+if __name__ == "__main__":
+    main()

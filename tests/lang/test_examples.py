@@ -1,0 +1,72 @@
+"""Every example runs (in-process on the tiny model, and a few against the server) and does
+what it says."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.lang.conftest import grammar_supported
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture
+def example(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def load(name: str):
+        return importlib.import_module(name)
+
+    return load
+
+
+def test_quick_start(example, tiny_path):
+    state = example("quick_start").main(["--model-path", str(tiny_path)])
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant", "user",
+                                                     "assistant"]
+    assert state.get_meta_info("answer_1")["completion_tokens"] > 0
+
+
+def test_json_extraction(example, tiny_path, engine_backend):
+    state = example("json_extraction").main(["--model-path", str(tiny_path)])
+    assert isinstance(state["person"], str)
+    if grammar_supported(engine_backend):
+        assert set(json.loads(state["person"])) == {"name", "age", "city"}
+
+
+def test_multiple_choice(example, tiny_path):
+    states = example("multiple_choice").main(["--model-path", str(tiny_path)])
+    assert len(states) == 3
+    assert all(s["letter"] in (" A", " B", " C") for s in states)
+
+
+def test_tree_of_thought(example, tiny_path):
+    state = example("tree_of_thought").main(["--model-path", str(tiny_path)])
+    assert len(state["plan"]) == 2 and [len(steps) for steps in state["step"]] == [2, 2]
+    assert state["best"] in (" 1", " 2")
+
+
+def test_react_agent(example, tiny_path):
+    module = example("react_agent")
+    state = module.main(["--model-path", str(tiny_path)])
+    assert state.error() is None
+    assert state.text().count("Action:") >= 1
+    assert module.calculator("(12 + 30) * 3") == "126"
+    assert module.calculator("__import__('os').getcwd()").startswith("error:")
+    assert module.calculator("1/0").startswith("error:")
+
+
+def test_streaming(example, tiny_path):
+    pieces = example("streaming").main(["--model-path", str(tiny_path)])
+    assert len(pieces) > 1 and all(isinstance(p, str) for p in pieces)
+
+
+@pytest.mark.parametrize("name", ["quick_start", "multiple_choice", "tree_of_thought"])
+def test_examples_against_the_server(example, server, name):
+    result = example(name).main(["--url", server.url])
+    states = result if isinstance(result, list) else [result]
+    assert all(s.error() is None for s in states)
