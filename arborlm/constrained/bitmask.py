@@ -54,6 +54,11 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     row_list = list(range(logits.shape[0])) if rows is None else [int(r) for r in rows]
     if not row_list:
         return
+    if not logits.is_contiguous():  # both kernels assume a dense row-major layout
+        dense = logits.contiguous()
+        apply_token_bitmask_(dense, bitmask, row_list)
+        logits.copy_(dense)
+        return
     covered = min(logits.shape[1], bitmask.shape[1] * 32)
     if logits.shape[1] > covered:
         logits[row_list, covered:] = float("-inf")
@@ -61,8 +66,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
         device_mask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=covered,
                                         indices=row_list)
-    elif _numpy_is_cheaper(bitmask, row_list) and logits.dtype in _NEG_INF_BITS \
-            and logits.is_contiguous():
+    elif _numpy_is_cheaper(bitmask, row_list) and logits.dtype in _NEG_INF_BITS:
         _apply_numpy(logits, bitmask, row_list, covered)
     else:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=row_list,

@@ -12,7 +12,9 @@ beside the scheduler thread.
   `GrammarError("... timed out after N s")` (cached like any error). Neither engine can be
   interrupted, so the compile keeps its thread until it returns and its result is discarded;
   the pool keeps `max_stalled` spare threads so that such stragglers do not take the workers
-  of new compiles (at most `max_workers` compiles run at once besides them).
+  of new compiles (at most `max_workers` compiles run at once besides them). The workers are
+  ordinary threads, joined at interpreter exit: a straggler delays a process's exit until it
+  returns (killing native code in a daemon thread at exit aborts the process instead).
 - Backends are created on first use inside a worker (a large vocabulary takes a second or
   more), so constructing a `GrammarCompiler` is instant.
 
@@ -141,7 +143,7 @@ class GrammarCompiler:
         return len(self._entries)
 
     def shutdown(self) -> None:
-        """Stop accepting work; running compiles finish in the background."""
+        """Stop accepting work; queued compiles are dropped, running ones end on their own."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._watchdog.stop()
 

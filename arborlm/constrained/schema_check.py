@@ -198,8 +198,8 @@ def _value_rule(key: str, value: Any, node: dict[str, Any], backend: str,
         return None if "then" not in node and "else" not in node else "not enforced"
     if key in ("then", "else"):
         return None if "if" not in node else "not enforced"
-    if key == "allOf" and isinstance(value, list) and len(value) <= 1 and backend == "outlines":
-        return None
+    if key == "allOf":  # what merge_all_of could not fold into its parent
+        return "branches that cannot be merged into one schema"
     if key == "oneOf" and isinstance(value, list):
         if oneof_branches_disjoint(value, root):
             return None

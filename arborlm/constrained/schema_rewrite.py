@@ -9,20 +9,17 @@ engine then generates still validates against the schema the user sent:
   matches any Unicode digit ("３༣69-12-06").
 - outlines-core: `\\d` in a `pattern` becomes `[0-9]` (JSON Schema patterns are ECMA-262, where
   `\\d` is ASCII).
-- xgrammar: a string bounded only by `minLength`/`maxLength` becomes a pattern of m to n
-  characters that are neither control characters nor UTF-16 surrogates; xgrammar 0.2.9 builds
-  such strings from `[^"\\\\\\r\\n]{m,n}`, which lets raw control characters through (invalid
-  JSON) and forbids escapes.
 
-Rewrites happen in place on the fresh object `schema_check.checked_schema` returns. This module
-does not decide what is supported; `schema_check` does, before it.
+Grammar-level defects of xgrammar are mended in `xgrammar_backend`. Rewrites happen in
+place on the fresh object `schema_check.checked_schema` returns. This module does not decide
+what is supported; `schema_check` does, before it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from arborlm.constrained.schema_check import iter_schema_nodes, supports_format
+from arborlm.constrained.schema_check import iter_schema_nodes
 
 _DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
         "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
@@ -45,9 +42,6 @@ def rewrite_schema(schema: Any, backend: str) -> Any:
             node["pattern"] = FORMAT_PATTERNS[fmt]
         if backend == "outlines" and isinstance(node.get("pattern"), str):
             node["pattern"] = ascii_digits(node["pattern"])
-        if backend == "xgrammar" and _length_only_string(node):
-            low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-            node["pattern"] = f"^[^\\x00-\\x1f\\ud800-\\udfff]{{{low},{high}}}$"
     return schema
 
 
@@ -69,12 +63,3 @@ def ascii_digits(pattern: str) -> str:
             in_class = False
         out.append(ch)
     return "".join(out)
-
-
-def _length_only_string(node: dict[str, Any]) -> bool:
-    if "minLength" not in node and "maxLength" not in node or "pattern" in node:
-        return False
-    if supports_format("xgrammar", node.get("format")):
-        return False
-    declared = node.get("type", "string")
-    return declared == "string" or isinstance(declared, list) and "string" in declared

@@ -39,6 +39,8 @@ from arborlm.errors import GrammarError
 _LOG_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
 _STRING_OR_CLASS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
 _ANY_CHAR = "[\\0-\\U0010ffff]"
+_SURROGATES = "\\ud800-\\udfff"
+_JSON_EXCLUDED = "\\0-\\x1f" + _SURROGATES
 
 
 class XGrammarBackend(GrammarBackend):
@@ -64,16 +66,16 @@ class XGrammarBackend(GrammarBackend):
         text = json.dumps(rewrite_schema(schema, self.name))
         ws = {"any_whitespace": True, "max_whitespace_cnt": ANY_WHITESPACE_MAX_RUN} \
             if self.any_whitespace else {"any_whitespace": False}
-        return self._wrap("json_schema", spec, lambda: self._compile_valid_utf8(
-            xgr.Grammar.from_json_schema(text, strict_mode=True, **ws)))
+        return self._wrap("json_schema", spec, lambda: self._compile_narrowed(
+            xgr.Grammar.from_json_schema(text, strict_mode=True, **ws), _JSON_EXCLUDED))
 
     def _compile_regex(self, spec: str) -> CompiledGrammar:
         return self._wrap("regex", spec,
-                          lambda: self._compile_valid_utf8(xgr.Grammar.from_regex(spec)))
+                          lambda: self._compile_narrowed(xgr.Grammar.from_regex(spec)))
 
     def _compile_ebnf(self, spec: str) -> CompiledGrammar:
         return self._wrap("ebnf", spec,
-                          lambda: self._compile_valid_utf8(xgr.Grammar.from_ebnf(spec)))
+                          lambda: self._compile_narrowed(xgr.Grammar.from_ebnf(spec)))
 
     def _compile_choices(self, spec: str) -> CompiledGrammar:
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in parse_choices(spec))
@@ -84,9 +86,10 @@ class XGrammarBackend(GrammarBackend):
         return self._wrap("structural_tag", spec,
                           lambda: self._compiler.compile_structural_tag(spec))
 
-    def _compile_valid_utf8(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+    def _compile_narrowed(self, grammar: xgr.Grammar,
+                          excluded: str = _SURROGATES) -> xgr.CompiledGrammar:
         return self._compiler.compile_grammar(xgr.Grammar.from_ebnf(
-            exclude_surrogates(str(grammar))))
+            narrow_char_classes(str(grammar), excluded)))
 
     def _wrap(self, kind: str, spec: str, build) -> XGrammarCompiled:
         try:
@@ -150,20 +153,22 @@ class XGrammarMatcher(GrammarMatcher):
         self._matcher.reset()
 
 
-def exclude_surrogates(ebnf: str) -> str:
-    """Keep UTF-16 surrogates (U+D800-U+DFFF) out of every "any character but ..." class.
+def narrow_char_classes(ebnf: str, excluded: str = _SURROGATES) -> str:
+    """Add the ranges `excluded` to every "any character but ..." class of a printed grammar.
 
-    xgrammar 0.2.9 matches characters as UTF-8 code points but admits the surrogate range, so
-    a JSON string could receive bytes such as ED A9 90, which are not UTF-8 and decode to
-    U+FFFD replacement characters (breaking `maxLength`). Negated classes and the any-character
-    class `[\\0-\\U0010ffff]` of the printed grammar get the range excluded; string literals
-    and `Regex("...")` bodies are skipped.
+    Mends two xgrammar 0.2.9 defects by narrowing. It matches characters as UTF-8 code points
+    but admits UTF-16 surrogates (U+D800-U+DFFF), so output could hold bytes such as ED A9 90,
+    which are not UTF-8 and decode to replacement characters; and the string rule it builds for
+    `minLength`/`maxLength` is `[^"\\\\\\r\\n]`, letting raw control characters into JSON
+    strings (JSON grammars therefore also exclude U+0000-U+001F). Negated classes and the
+    any-character class `[\\0-\\U0010ffff]` are narrowed; string literals and `Regex("...")`
+    bodies are left alone.
     """
     def fix(match: re.Match[str]) -> str:
         token = match.group(0)
         if token.startswith("[^"):
-            return token[:-1] + "\\ud800-\\udfff]"
-        return "[^\\ud800-\\udfff]" if token == _ANY_CHAR else token
+            return token[:-1] + excluded + "]"
+        return f"[^{excluded}]" if token == _ANY_CHAR else token
 
     return _STRING_OR_CLASS.sub(fix, ebnf)
 
