@@ -1,15 +1,11 @@
-"""`apply_token_bitmask_` against a plain reference, on both of its CPU paths."""
+"""`apply_token_bitmask_` against a plain reference: dtypes, row subsets, padding, layout."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from arborlm.constrained.bitmask import (
-    _numpy_is_cheaper,
-    allocate_token_bitmask,
-    apply_token_bitmask_,
-)
+from arborlm.constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_
 
 
 def _reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -39,13 +35,12 @@ def test_allocate_is_all_allowed() -> None:
     assert mask.shape == (3, 32) and mask.dtype == torch.int32 and (mask == -1).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("density", [0.98, 0.05])  # the xgrammar path, the numpy path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("density", [0.98, 0.05])  # mostly allowed, mostly masked
 def test_matches_reference(dtype: torch.dtype, density: float) -> None:
     vocab, batch = 300, 4
     mask = _mask(batch, vocab, density, seed=int(density * 100))
     rows = [0, 2, 3]
-    assert _numpy_is_cheaper(mask, rows) == (density < 0.5)
     logits = torch.randn(batch, vocab).to(dtype)
     expected = _reference(logits, mask, rows)
     apply_token_bitmask_(logits, mask, torch.tensor(rows))
