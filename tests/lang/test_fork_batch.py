@@ -123,3 +123,28 @@ def test_run_batch_precaches_the_constant_prefix(backend):
     constant_tokens = len(backend.tokenize([constant])[0])
     for state in batch:
         assert state.get_meta_info("answer")["cached_tokens"] >= constant_tokens - 2
+
+
+def test_without_a_prefix_cache_warmups_are_skipped_and_results_unchanged(tiny_path,
+                                                                           engine_backend):
+    from arborlm.lang.backends.engine_backend import EngineBackend
+
+    with EngineBackend(model_path=str(tiny_path), disable_radix_cache=True) as no_cache:
+        assert not no_cache.prefix_cache_enabled and engine_backend.prefix_cache_enabled
+        before = no_cache.get_server_info()["prefill_tokens"]
+
+        @sgl.function
+        def fan(s):
+            s += PREFIX
+            forks = s.fork(3)
+            forks += lambda i: f"Option {i}:" + sgl.gen("idea", max_tokens=4)
+            metas = [f.get_meta_info("idea") for f in forks]
+            forks.join()
+            return metas
+
+        state = fan.run(backend=no_cache, **GREEDY)
+        prefilled = no_cache.get_server_info()["prefill_tokens"] - before
+        # Only the three branch prompts were prefilled: no warm-up of the shared prefix.
+        assert prefilled == sum(m["prompt_tokens"] for m in state.ret_value)
+        assert all(m["cached_tokens"] == 0 for m in state.ret_value)
+        assert state["idea"] == fan.run(backend=engine_backend, **GREEDY)["idea"]

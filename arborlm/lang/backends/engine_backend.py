@@ -42,6 +42,7 @@ class EngineBackend(NativeBackend):
             raise ValueError("pass either an engine or the options to start one, not both")
         self.engine = engine
         self.model_path = str(engine.config.model.path)
+        self.prefix_cache_enabled = not engine.args.disable_radix_cache
         self.chat_template = _pick_template(chat_template, engine.tokenizer, self.model_path)
 
     def request(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:

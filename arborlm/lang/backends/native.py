@@ -12,7 +12,8 @@ row per choice (`input_ids`, `max_new_tokens: 0`, `return_logprob`, `logprob_sta
 the choice's tokens start) returns exactly the choice tokens' logprobs. When the method wants
 unconditional logprobs, the same request carries one more row per choice: the choice's tokens
 after only the tokenizer's BOS (or nothing, in which case the first entry is the null logprob
-the methods handle).
+the methods handle). Prefill-only warm-ups (this one, `fork`'s, `run_batch`'s) are skipped when
+the runtime runs without a prefix cache.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def check_finished(out: dict[str, Any]) -> dict[str, Any]:
 
 
 class NativeBackend(BaseBackend):
+    #: False when the runtime has no prefix cache: prefill-only warm-ups would only cost time,
+    #: so `cache_prefix` and `select` skip them.
+    prefix_cache_enabled: bool = True
+
     @abc.abstractmethod
     def request(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         """One non-streaming native generate call (`POST /generate` body -> response)."""
@@ -97,7 +102,7 @@ class NativeBackend(BaseBackend):
     # --- prefix cache ---------------------------------------------------------------------------
 
     def cache_prefix(self, prefix: str) -> None:
-        if prefix:
+        if prefix and self.prefix_cache_enabled:
             check_finished(self.request({"text": prefix,
                                          "sampling_params": {"max_new_tokens": 0}}))
 
@@ -111,7 +116,7 @@ class NativeBackend(BaseBackend):
         for choice, row, start in zip(choices, rows, starts):
             if start >= len(row):
                 raise ValueError(f"select choice {choice!r} adds no tokens to the prompt")
-        if len(prompt_ids) > 1:
+        if len(prompt_ids) > 1 and self.prefix_cache_enabled:
             check_finished(self.request({"input_ids": prompt_ids,
                                          "sampling_params": {"max_new_tokens": 0}}))
         rows, starts = list(rows), list(starts)

@@ -44,6 +44,14 @@ class RuntimeEndpoint(NativeBackend):
         self.model_path = self.model_info.get("model_path")
         self.tokenizer = _local_tokenizer(self.model_info)
         self.chat_template = self._pick_template(chat_template_name)
+        self.prefix_cache_enabled = not self._server_flag("disable_radix_cache")
+
+    def _server_flag(self, name: str) -> bool:
+        """A boolean server argument from `/get_server_info` (False when not reported)."""
+        try:
+            return bool(self.get_server_info().get(name, False))
+        except BackendError:
+            return False
 
     def _pick_template(self, name: str | None) -> ChatTemplate:
         if name is not None:
