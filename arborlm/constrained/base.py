@@ -6,6 +6,26 @@ gets its own `GrammarMatcher` from `compiled.matcher()`, which the decode loop d
 at a time. Compiling happens off the hot path in `compile_cache.GrammarCompiler`; masks are
 applied with `bitmask.apply_token_bitmask_`.
 
+How the engine drives it (the scheduler and sampler code against exactly this):
+
+1. Arrival: `future = compiler.submit(kind, spec, backend)`; the request waits in its grammar
+   state and the loop checks `future.done()` each step. `future.exception()` is a
+   `GrammarError`: finish that request alone as an abort with status 400 and `str(error)`.
+   Otherwise `req.grammar = future.result().matcher()`.
+2. Each decode step: one `allocate_token_bitmask(batch, vocab_size)` buffer (reusable);
+   `req.grammar.fill_bitmask(mask, i)` for every row i with a grammar;
+   `apply_token_bitmask_(logits, mask, rows)` after logit bias and penalties, before
+   temperature / top-k / top-p / sampling.
+3. After sampling t: `req.grammar.accept_token(t)` (True by construction of the mask);
+   `is_terminated()` then means finish with `stop`, matched = t (also under `ignore_eos`: a
+   complete grammar allows nothing but its stop tokens).
+4. Jump-forward: `forced = req.grammar.find_jump_forward_tokens()`; accept each, append them
+   to the output and compute their KV in the next extend step instead of one decode step each
+   (steps saved = len(forced)); outputs are unchanged because each was the only legal token.
+5. Retraction keeps the matcher as it is (output tokens are kept); an abort drops it;
+   speculative decoding accepts the draft tokens and `rollback`s the rejected ones; `n > 1`
+   samples and DSL forks `copy()` the matcher.
+
 This module holds the contracts and the backend registry only; it imports neither engine, so a
 missing optional engine fails when it is asked for, with a clear message.
 """
@@ -14,11 +34,14 @@ from __future__ import annotations
 
 import abc
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from arborlm.errors import GrammarError
+
+if TYPE_CHECKING:
+    from arborlm.constrained.vocab import TokenVocab
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices", "structural_tag")
 ANY_JSON = "$$ANY$$"  # json_schema spec meaning "any JSON value"
@@ -95,17 +118,17 @@ class GrammarMatcher(abc.ABC):
         the mask admits, any sampler would pick it: appending these tokens without a decode
         step per token leaves the output identical, greedy or not.
         """
-        probe = self.copy()
         row = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)  # [1, ceil(V/32)]
         forced: list[int] = []
-        while len(forced) < max_tokens and not probe.is_terminated():
-            probe.fill_bitmask(row, 0)
+        while len(forced) < max_tokens and not self.is_terminated():
+            self.fill_bitmask(row, 0)
             token = _single_allowed_token(row[0])
-            if token is None or not probe.accept_token(token):
+            if token is None or not self.accept_token(token):
                 break
             forced.append(token)
             if token in self.stop_token_ids:
                 break
+        self.rollback(len(forced))  # walked on this matcher, then undone: no copy needed
         return forced
 
 
@@ -129,6 +152,7 @@ class GrammarBackend(abc.ABC):
     """
 
     name: str
+    vocab: TokenVocab  # the token bytes this backend masks over
     vocab_size: int
     stop_token_ids: tuple[int, ...]
     any_whitespace: bool

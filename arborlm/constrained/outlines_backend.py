@@ -11,13 +11,12 @@ valid. Its regexes match leftmost-first: in a user regex `(cat|cats)`, "cats" is
 value nested at most three levels deep (outlines' recursion limit).
 
 outlines-core's `Vocabulary` takes a single EOS id; this module adds every other stop id
-itself, allowing them wherever the grammar is complete. Rollback keeps the last
-`MAX_ROLLBACK_TOKENS` states.
+itself, allowing them wherever the grammar is complete. Rollback reaches back at most
+`MAX_ROLLBACK_TOKENS` tokens (outlines keeps that many states).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 
 import outlines_core
@@ -111,15 +110,19 @@ class OutlinesCompiled(CompiledGrammar):
         self._vocab = vocab
 
     def matcher(self) -> OutlinesMatcher:
-        guide = outlines_core.Guide(self._index, max_rollback=MAX_ROLLBACK_TOKENS)
-        return OutlinesMatcher(guide, self._vocab)
+        return OutlinesMatcher(self._index, self._vocab)
 
 
 class OutlinesMatcher(GrammarMatcher):
-    def __init__(self, guide: outlines_core.Guide, vocab: TokenVocab, terminated: bool = False):
-        self._guide = guide
+    """A `Guide` (the DFA state) plus the accepted tokens, which `copy` replays on a new guide
+    (deep-copying a guide copies its whole index: milliseconds with a 32k vocabulary)."""
+
+    def __init__(self, index: outlines_core.Index, vocab: TokenVocab):
+        self._index = index
+        self._guide = outlines_core.Guide(index, max_rollback=MAX_ROLLBACK_TOKENS)
+        self._history: list[int] = []  # accepted tokens, the terminating stop token excluded
         self._vocab = vocab
-        self._terminated = terminated
+        self._terminated = False
         self.vocab_size = vocab.vocab_size
         self.stop_token_ids = vocab.stop_token_ids
 
@@ -135,6 +138,7 @@ class OutlinesMatcher(GrammarMatcher):
             self._guide.advance(token_id, return_tokens=False)
         except ValueError:
             return False
+        self._history.append(token_id)
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -155,6 +159,7 @@ class OutlinesMatcher(GrammarMatcher):
             n -= 1
         if n:
             self._guide.rollback_state(n)
+            del self._history[-n:]
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -170,10 +175,16 @@ class OutlinesMatcher(GrammarMatcher):
         return _complete_utf8_prefix(text)
 
     def copy(self) -> OutlinesMatcher:
-        return OutlinesMatcher(copy.deepcopy(self._guide), self._vocab, self._terminated)
+        twin = OutlinesMatcher(self._index, self._vocab)
+        for token_id in self._history:
+            twin._guide.advance(token_id, return_tokens=False)
+        twin._history = list(self._history)
+        twin._terminated = self._terminated
+        return twin
 
     def reset(self) -> None:
         self._guide.reset()
+        self._history.clear()
         self._terminated = False
 
 

@@ -7,10 +7,13 @@ valid for the schema, and a model cannot pad an object with keys nobody asked fo
 wants extra keys says so with `additionalProperties` (true or a schema), which xgrammar honours.
 Whitespace: fixed separators `", "` and `": "` by default; with `any_whitespace` any JSON
 whitespace, at most `ANY_WHITESPACE_MAX_RUN` characters per gap. Patterns are matched whole
-(as if anchored). Keywords xgrammar would drop are rejected first by `schema_check`.
+(as if anchored). Keywords xgrammar would drop are rejected first by `schema_check`, and
+`schema_rewrite` narrows date/time formats to real dates.
 
-Choices compile as an EBNF alternation of string literals (exact for any characters).
-This module does not cache or time out compiles; `compile_cache.GrammarCompiler` does.
+Every grammar (JSON, regex, EBNF) is built as an xgrammar `Grammar`, printed, narrowed by
+`narrow_char_classes` (no UTF-16 surrogates; no raw control characters in JSON strings) and
+compiled from that text. Choices compile as an EBNF alternation of string literals (exact for
+any characters). This module does not cache or time out compiles; `GrammarCompiler` does.
 """
 
 from __future__ import annotations
