@@ -166,6 +166,8 @@ def _unsupported(key: str, value: Any, node: dict[str, Any], backend: str,
             backend] else None
     if key == "required" and isinstance(value, list):
         return _undefined_required(value, node)
+    if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+        return "only local references (#/...) are resolved"
     if key == "items" and isinstance(value, list):
         return "a list of schemas (draft-4 tuple) is not supported; use prefixItems"
     if key in ("minLength", "maxLength") and ("pattern" in node or supports_format(

@@ -36,6 +36,7 @@ STR = {"type": "string"}
     ({"type": "object", "additionalProperties": INT}, "outlines", "#/additionalProperties"),
     ({"type": "string", "pattern": "^.+$"}, "outlines", "#/pattern"),
     ({"allOf": [INT, STR]}, "xgrammar", "#/allOf"),
+    ({"$ref": "https://example.com/schema.json"}, "xgrammar", "#/$ref (only local"),
 ])
 def test_dropped_keywords_are_reported(schema: dict, backend: str, pointer: str) -> None:
     with pytest.raises(GrammarError) as info:
