@@ -84,3 +84,16 @@ def test_select_in_a_chat_turn_and_choice_order(backend):
     assert state.messages()[-1] == {"role": "assistant", "content": state["colour"]}
     scores = state.get_meta_info("colour")["normalized_prompt_logprobs"]
     assert state["colour"] == ["red", "green", "blue"][scores.index(max(scores))]
+
+
+def test_endpoint_without_a_local_tokenizer_uses_the_servers(server, endpoint_backend):
+    """A server on another machine: tokenization for select goes through POST /tokenize."""
+    from arborlm.lang.backends.runtime_endpoint import RuntimeEndpoint
+
+    remote = RuntimeEndpoint(server.url)
+    remote.tokenizer = None  # as when the server's tokenizer path is not on this machine
+    texts = [PROMPT + c for c in CHOICES] + [""]
+    assert remote.tokenize(texts) == endpoint_backend.tokenize(texts)
+    method = sgl.unconditional_likelihood_normalized
+    assert pick.run(method, backend=remote)["answer"] == \
+        pick.run(method, backend=endpoint_backend)["answer"]
