@@ -3,12 +3,13 @@
 Routes (addresses come from `arborlm.runtime.ipc.IpcAddresses`):
 
 ```
-TokenizerManager --TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq,
-                   HealthCheckReq, ShutdownReq--> Scheduler (rank 0)
+TokenizerManager --TokenizedGenerateReq, BatchTokenizedGenerateReq, AbortReq, FlushCacheReq,
+                   GetServerInfoReq, HealthCheckReq, ShutdownReq--> Scheduler (rank 0)
 Scheduler --BatchTokenOutput, ErrorOutput, FlushCacheResp, ServerInfoResp,
-            HealthCheckResp--> Detokenizer
+            HealthCheckResp, ShutdownReq--> Detokenizer
 Detokenizer --BatchTextOutput, ErrorOutput, FlushCacheResp, ServerInfoResp,
-              HealthCheckResp--> TokenizerManager   (control replies are forwarded unchanged)
+              HealthCheckResp, ShutdownReq--> TokenizerManager   (forwarded unchanged)
+Child process --ProcessReady, ProcessFailed--> parent   (over the startup pipe, not ZeroMQ)
 ```
 
 Batch messages are column-oriented: entry `i` of every list belongs to `rids[i]`.
@@ -67,6 +68,8 @@ class DecodeOptions(_Part):
     return_text_in_logprobs: bool = False
     # The last few prompt ids: decoding context for the first output token's leading space.
     prompt_tail_ids: list[int] = []
+    stop_regex: list[str] = []  # a `stop_regex` match cuts the final text at its start
+    stream: bool = False  # False: the detokenizer sends the request's text only when it ends
 
 
 # --- tokenizer manager -> scheduler ------------------------------------------------------------
@@ -87,6 +90,13 @@ class TokenizedGenerateReq(_Message):
     extra_key: str | None = None
     priority: int = 0
     seed: int | None = None
+
+
+class BatchTokenizedGenerateReq(_Message):
+    """The sequences of one generate call (prompts × n), to be queued in one go as the
+    in-process engine does, so that they can share a prefill step."""
+
+    reqs: list[TokenizedGenerateReq]
 
 
 class AbortReq(_Message):
@@ -143,6 +153,7 @@ class BatchTokenOutput(_Message):
     cached_tokens: list[int]
     decode_options: list[DecodeOptions | None]  # set in each request's first chunk only
     logprobs: list[LogprobChunk | None]  # None where the request did not ask for logprobs
+    jump_forward_steps: list[int] = []  # per request; empty when every entry would be 0
 
 
 class BatchTextOutput(_Message):
@@ -157,6 +168,7 @@ class BatchTextOutput(_Message):
     cached_tokens: list[int]
     logprobs: list[LogprobChunk | None]  # entries carry texts when return_text_in_logprobs
     matched_stops: list[str | None]  # the stop string that ended the text, if any
+    jump_forward_steps: list[int] = []  # per request; empty when every entry would be 0
 
 
 class ErrorOutput(_Message):
@@ -167,8 +179,28 @@ class ErrorOutput(_Message):
     status_code: int = 400
 
 
+# --- child process -> parent, once at startup (and once more if it fails later) ----------------
+
+
+class ProcessReady(_Message):
+    """A child finished starting (model loaded, sockets bound); `info` holds its figures."""
+
+    process: str
+    info: dict[str, Any] = {}
+
+
+class ProcessFailed(_Message):
+    """A child failed to start, or its loop failed; the parent reports this to callers."""
+
+    process: str
+    error_type: str  # the exception's class name (an `arborlm.errors` name is raised as such)
+    message: str
+    traceback: str = ""
+
+
 Message = (
     TokenizedGenerateReq
+    | BatchTokenizedGenerateReq
     | AbortReq
     | FlushCacheReq
     | GetServerInfoReq
@@ -180,6 +212,8 @@ Message = (
     | BatchTokenOutput
     | BatchTextOutput
     | ErrorOutput
+    | ProcessReady
+    | ProcessFailed
 )
 MESSAGE_TYPES: tuple[type[_Message], ...] = Message.__args__
 

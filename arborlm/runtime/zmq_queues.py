@@ -5,10 +5,12 @@
 A PUSH/PULL pair keeps order; with one producer and one consumer per address (the engine's
 layout) nothing is dropped while both ends are open.
 
-Sockets use the process-wide ZeroMQ context, close with `linger=0` (unsent messages are dropped
-rather than blocking shutdown), and have a high-water mark of `DEFAULT_HWM` messages per side:
-past it `put` blocks, which is back-pressure, not loss. Addresses come from
-`arborlm.runtime.ipc.IpcAddresses`. This module knows nothing of what the messages mean.
+Sockets use the process-wide ZeroMQ context, close with `linger=0` by default (unsent messages
+are dropped rather than blocking shutdown; a process that must get its last messages out closes
+with a linger, then calls `terminate_context()`, which waits for them), and have a high-water
+mark of `DEFAULT_HWM` messages per side: past it `put` blocks, which is back-pressure, not loss.
+Addresses come from `arborlm.runtime.ipc.IpcAddresses`. This module knows nothing of what the
+messages mean.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def _open(ctx: zmq.Context, kind: int, addr: str, bind: bool, hwm: int) -> zmq.S
     return sock
 
 
+def terminate_context() -> None:
+    """Terminate the process-wide context once every queue is closed: returns when lingering
+    messages are delivered or their linger time has run out. For a process about to exit."""
+    zmq.Context.instance().term()
+
+
 class _Queue:
     _sock: zmq.Socket
 
@@ -45,10 +53,11 @@ class _Queue:
     def closed(self) -> bool:
         return self._sock.closed
 
-    def close(self) -> None:
-        """Close the socket now, dropping anything not yet delivered; safe to call twice."""
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket, dropping anything not delivered within `linger_s` seconds (by
+        default at once); safe to call twice."""
         if not self._sock.closed:
-            self._sock.close(linger=0)
+            self._sock.close(linger=int(linger_s * 1000))
 
     def __enter__(self):
         return self

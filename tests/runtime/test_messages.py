@@ -41,6 +41,10 @@ EXAMPLES = [
         seed=42,
     ),
     m.TokenizedGenerateReq(rid="r2", input_ids=[], sampling_params={}),
+    m.BatchTokenizedGenerateReq(reqs=[
+        m.TokenizedGenerateReq(rid="b-0", input_ids=[1, 2], sampling_params={}, seed=1),
+        m.TokenizedGenerateReq(rid="b-1", input_ids=[1, 2], sampling_params={}, seed=2),
+    ]),
     m.AbortReq(rid="r1"),
     m.AbortReq(abort_all=True),
     m.FlushCacheReq(),
@@ -75,6 +79,9 @@ EXAMPLES = [
         matched_stops=[None],
     ),
     m.ErrorOutput(rid="r9", message="prompt too long", status_code=400),
+    m.ProcessReady(process="scheduler", info={"max_total_tokens": 4096}),
+    m.ProcessFailed(process="scheduler", error_type="ModelLoadError", message="no weights",
+                    traceback="Traceback ..."),
 ]
 
 

@@ -1,0 +1,196 @@
+"""The detokenizer process: the scheduler's token ids → text, between the scheduler and the API.
+
+`DetokenizerService(tokenizer_path, addrs)` (entry
+`"arborlm.runtime.detokenizer_process:DetokenizerService"`) keeps one `IncrementalDetokenizer`
+per request: created from the `DecodeOptions` in the request's first `BatchTokenOutput` entry,
+dropped with the entry that carries its finish reason. It turns each `BatchTokenOutput` into one
+`BatchTextOutput` holding cumulative text (stop strings trimmed, incomplete UTF-8 held back, a
+`stop_regex` match cut at the end), the new ids, and logprob entries with their token text when
+`return_text_in_logprobs`. Streaming requests get an entry per scheduler report (that is what
+makes the stream's chunks); the others get one entry when they finish, holding all their ids
+and logprobs, so the API process handles one message per request.
+
+Control replies (flush, server info, health) and `ErrorOutput`s are forwarded unchanged; a
+`ShutdownReq` is forwarded and ends the loop. An exception while detokenizing one request ends
+that request with an `ErrorOutput` and nothing else. This module does not tokenize, sample or
+schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from arborlm.runtime.detokenizer import IncrementalDetokenizer
+from arborlm.runtime.ipc import IpcAddresses
+from arborlm.runtime.messages import (
+    BatchTextOutput,
+    BatchTokenOutput,
+    DecodeOptions,
+    ErrorOutput,
+    LogprobChunk,
+    Message,
+    ShutdownReq,
+)
+from arborlm.runtime.process_utils import StopFlag
+from arborlm.runtime.tokenizer_utils import load_tokenizer
+from arborlm.runtime.zmq_queues import PullQueue, PushQueue, terminate_context
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 1.0  # longest wait for a message before the loop rechecks its stop flag
+CLOSE_LINGER_S = 1.0
+_FLAT = ("output_token_logprobs", "input_token_logprobs")
+_NESTED = ("output_top_logprobs", "output_token_ids_logprobs", "input_top_logprobs",
+           "input_token_ids_logprobs")
+
+
+def trim_stop_regex(text: str, reason: dict[str, Any], opts: DecodeOptions) -> str:
+    """Cut the final text at the `stop_regex` match that ended it (as `ResponseBuilder` does)."""
+    matched = reason.get("matched")
+    if reason["type"] != "stop" or not isinstance(matched, str) or not opts.stop_regex \
+            or matched in opts.stop or opts.no_stop_trim:
+        return text
+    for pattern in opts.stop_regex:
+        m = re.search(pattern, text)
+        if m is not None:
+            return text[:m.start()]
+    return text
+
+
+class _RequestText:
+    """One request's detokenizer plus what it has not sent yet."""
+
+    def __init__(self, tokenizer: Any, opts: DecodeOptions):
+        self.opts = opts
+        self.detok = IncrementalDetokenizer(
+            tokenizer, prompt_ids=opts.prompt_tail_ids,
+            skip_special_tokens=opts.skip_special_tokens,
+            spaces_between_special_tokens=opts.spaces_between_special_tokens,
+            stop=opts.stop, no_stop_trim=opts.no_stop_trim)
+        self.text = ""
+        self.unsent_ids: list[int] = []
+        self.unsent_logprobs: LogprobChunk | None = None
+
+    def add(self, ids: list[int], reason: dict[str, Any] | None, lp: LogprobChunk | None) -> None:
+        self.detok.add(ids)
+        self.unsent_ids.extend(ids)
+        if lp is not None:
+            if self.unsent_logprobs is None:
+                self.unsent_logprobs = lp
+            else:
+                for name in _FLAT + _NESTED:
+                    getattr(self.unsent_logprobs, name).extend(getattr(lp, name))
+        if reason is None:
+            self.text = self.detok.text
+        else:
+            self.detok.finish()
+            self.text = trim_stop_regex(self.detok.text, reason, self.opts)
+
+    def take(self) -> tuple[list[int], LogprobChunk | None]:
+        ids, lp = self.unsent_ids, self.unsent_logprobs
+        self.unsent_ids, self.unsent_logprobs = [], None
+        return ids, lp
+
+
+class DetokenizerService:
+    def __init__(self, tokenizer_path: str, addrs: IpcAddresses):
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.recv = PullQueue(addrs.scheduler_to_detokenizer, bind=True)
+        self.send = PushQueue(addrs.detokenizer_to_tokenizer, bind=False)
+        self.requests: dict[str, _RequestText] = {}
+        self.failed: set[str] = set()  # failed here; the scheduler's later reports are dropped
+        self._token_texts: dict[int, str] = {}
+
+    def ready_info(self) -> dict[str, Any]:
+        return {}
+
+    def run(self, stop: StopFlag) -> None:
+        while not stop.is_set():
+            first = self.recv.get(timeout=IDLE_WAIT_S)
+            if first is None:
+                continue
+            for msg in [first, *self.recv.get_nowait_all()]:
+                self._handle(msg)
+                if isinstance(msg, ShutdownReq):
+                    stop.set("shutdown requested")
+                    break
+
+    def close(self) -> None:
+        self.recv.close()
+        self.send.close(linger_s=CLOSE_LINGER_S)  # let the last messages (a ShutdownReq) out
+        terminate_context()
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, BatchTokenOutput):
+            out = self._detokenize(msg)
+            if out.rids:
+                self.send.put(out)
+            return
+        if isinstance(msg, ErrorOutput):
+            self.requests.pop(msg.rid, None)
+        self.send.put(msg)
+
+    def _detokenize(self, batch: BatchTokenOutput) -> BatchTextOutput:
+        out = BatchTextOutput([], [], [], [], [], [], [], [], [])
+        jump = batch.jump_forward_steps or [0] * len(batch.rids)
+        for i, rid in enumerate(batch.rids):
+            reason = batch.finished_reasons[i]
+            try:
+                req = self._update(rid, batch.decode_options[i], batch.new_token_ids[i], reason,
+                                   batch.logprobs[i])
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("detokenizing %s failed", rid)
+                self.requests.pop(rid, None)
+                self.failed.add(rid)
+                self.send.put(ErrorOutput(rid=rid, message=f"detokenizer: {e!r}",
+                                          status_code=500))
+                req = None
+            if reason is not None:
+                self.failed.discard(rid)
+            if req is None or (reason is None and not req.opts.stream):
+                continue
+            ids, lp = req.take()
+            for col, value in ((out.rids, rid), (out.texts, req.text), (out.output_ids, ids),
+                               (out.finished_reasons, reason),
+                               (out.prompt_tokens, batch.prompt_tokens[i]),
+                               (out.completion_tokens, batch.completion_tokens[i]),
+                               (out.cached_tokens, batch.cached_tokens[i]), (out.logprobs, lp),
+                               (out.matched_stops, req.detok.matched_stop),
+                               (out.jump_forward_steps, jump[i])):
+                col.append(value)
+        if not any(out.jump_forward_steps):
+            out.jump_forward_steps = []
+        return out
+
+    def _update(self, rid: str, opts: DecodeOptions | None, ids: list[int],
+                reason: dict[str, Any] | None, lp: LogprobChunk | None) -> _RequestText | None:
+        if opts is not None:
+            self.requests[rid] = _RequestText(self.tokenizer, opts)
+        req = self.requests.get(rid)
+        if req is None:
+            if rid not in self.failed:
+                logger.warning("report for unknown request %s dropped", rid)
+            return None
+        if lp is not None and req.opts.return_text_in_logprobs:
+            lp = self._with_texts(lp)
+        req.add(ids, reason, lp)
+        if reason is not None:
+            del self.requests[rid]
+        return req
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _with_texts(self, lp: LogprobChunk) -> LogprobChunk:
+        def entries(row: list) -> list:
+            return [(v, t, self._token_text(t)) for v, t, _ in row]
+
+        flat = {name: entries(getattr(lp, name)) for name in _FLAT}
+        nested = {name: [None if row is None else entries(row) for row in getattr(lp, name)]
+                  for name in _NESTED}
+        return LogprobChunk(**flat, **nested)

@@ -1,0 +1,325 @@
+"""The engine's child processes: spawning, the startup handshake, signals and clean exits.
+
+Parent side: `spawn_child(name, entry, *args)` starts `entry` ("module:callable", imported only
+in the child, so the parent never loads what the child runs) with the "spawn" start method and
+returns a `ChildProcess`; `wait_ready()` blocks until the child reports `ProcessReady` (or
+raises with the child's own error). `register_for_cleanup(obj)` makes sure `obj.shutdown()`
+runs at interpreter exit and on SIGTERM (the handler is installed only from the main thread and
+only where SIGTERM still has its default action, so pytest's and servers' handlers stay).
+
+Child side (`_child_main`): the callable builds a *service* (an object with `ready_info()`,
+`run(stop)` and `close()`). SIGTERM sets the `StopFlag` the service's loop checks between steps
+(during startup it raises `SystemExit` instead); SIGINT is ignored, because Ctrl-C reaches the
+whole process group and the parent decides when its children stop. A watch thread polls
+`os.getppid()`: when the parent dies, the child stops itself and removes the engine's socket
+directory. (`PR_SET_PDEATHSIG` is not used: it fires when the *thread* that spawned the child
+exits, which would kill an engine created from a short-lived thread.)
+
+This module knows nothing of schedulers or sockets; the services live in `scheduler_process`
+and `detokenizer_process`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import psutil
+
+import arborlm.errors as errors
+from arborlm.errors import ArborLMError, EngineDeadError
+from arborlm.runtime.messages import ProcessFailed, ProcessReady, decode, encode
+
+logger = logging.getLogger(__name__)
+
+SPAWN = multiprocessing.get_context("spawn")
+PARENT_POLL_S = 0.5  # how often a child checks that its parent is alive
+PARENT_DEATH_GRACE_S = 5.0  # after the parent died, a child exits at the latest this much later
+READY_POLL_S = 0.1
+
+
+class StopFlag:
+    """Tells a child's loop to stop; set by SIGTERM, by the parent-death watch, or by the loop."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+        self.parent_died = False
+        self.interrupt = True  # raise SystemExit on a signal (startup) instead of only flagging
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        self.set(f"received {signal.Signals(signum).name}")
+        if self.interrupt:
+            raise SystemExit(128 + signum)
+
+
+class Service(Protocol):
+    """What a child process runs: built by its entry callable, then `run` until `stop`."""
+
+    def ready_info(self) -> dict[str, Any]: ...
+
+    def run(self, stop: StopFlag) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# --- parent side ---------------------------------------------------------------------------------
+
+
+def _error_from(msg: ProcessFailed) -> BaseException:
+    """The exception a parent raises for a child's `ProcessFailed`: the same `arborlm.errors`
+    class when the child raised one, else `EngineDeadError`."""
+    cls = getattr(errors, msg.error_type, None)
+    text = f"{msg.process} process: {msg.message}"
+    if isinstance(cls, type) and issubclass(cls, ArborLMError):
+        return cls(text)
+    return EngineDeadError(f"{msg.process} process failed: {msg.error_type}: {msg.message}\n"
+                           f"{msg.traceback}".rstrip())
+
+
+class ChildProcess:
+    """A spawned child and the pipe on which it reports readiness or failure."""
+
+    def __init__(self, name: str, process: Any, conn: Connection):
+        self.name = name
+        self.process = process
+        self.conn = conn
+        self._failure: ProcessFailed | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def _read(self) -> ProcessReady | ProcessFailed | None:
+        try:
+            msg = decode(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
+        if isinstance(msg, ProcessFailed):
+            self._failure = msg
+        return msg if isinstance(msg, ProcessReady | ProcessFailed) else None
+
+    def poll_ready(self, wait: float) -> dict[str, Any] | None:
+        """The child's `ProcessReady.info` if it arrives within `wait` seconds, else None;
+        raises the child's error if it failed or exited instead."""
+        if self.conn.poll(wait):
+            msg = self._read()
+            if isinstance(msg, ProcessReady):
+                return msg.info
+            if isinstance(msg, ProcessFailed):
+                raise _error_from(msg)
+            self.process.join(1.0)  # the pipe closed: the child is gone
+            raise EngineDeadError(self.death_message("exited during startup"))
+        if not self.process.is_alive():
+            raise EngineDeadError(self.death_message("exited during startup"))
+        return None
+
+    def death_message(self, what: str = "died") -> str:
+        """E.g. "scheduler process died (exit code -9)", plus the child's own error if sent."""
+        with contextlib.suppress(OSError, EOFError):
+            while self._failure is None and self.conn.poll(0):
+                if self._read() is None:
+                    break
+        text = f"{self.name} process {what} (exit code {self.process.exitcode})"
+        if self._failure is not None:
+            text += f": {self._failure.error_type}: {self._failure.message}"
+        return text
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to `timeout` for a requested exit, then SIGTERM, then SIGKILL the tree."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2.0)
+        if self.process.is_alive():
+            kill_process_tree(self.process.pid)
+            self.process.join(2.0)
+        self.conn.close()
+
+
+_spawn_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """Set `env` in this process's environment (which a spawned child inherits), then undo."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def spawn_child(name: str, entry: str, *args: Any, cleanup_dir: str | None = None,
+                env: dict[str, str] | None = None) -> ChildProcess:
+    """Start `entry(*args)` ("module:callable" returning a `Service`) in a spawned process.
+
+    `cleanup_dir` is removed by the child if the parent dies before shutting it down. `env`
+    holds environment variables the child starts with (read by libraries at load time).
+    """
+    reader, writer = SPAWN.Pipe(duplex=False)
+    process = SPAWN.Process(target=_child_main, name=f"arborlm-{name}", daemon=True,
+                            args=(name, entry, writer, os.getpid(), cleanup_dir, args))
+    with _spawn_lock, _environment(env or {}):
+        process.start()
+    writer.close()
+    return ChildProcess(name, process, reader)
+
+
+def wait_ready(children: list[ChildProcess], timeout: float) -> dict[str, dict[str, Any]]:
+    """Wait for every child's `ProcessReady`; the first failure (or the timeout) raises."""
+    infos: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(infos) < len(children):
+        if time.monotonic() > deadline:
+            late = ", ".join(c.name for c in children if c.name not in infos)
+            raise EngineDeadError(f"{late} process(es) did not start within {timeout:.0f} s")
+        for child in children:
+            if child.name not in infos:
+                info = child.poll_ready(READY_POLL_S / len(children))
+                if info is not None:
+                    infos[child.name] = info
+    return infos
+
+
+def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` to `pid` and every descendant of it (those already gone are skipped)."""
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+
+
+_live: weakref.WeakSet = weakref.WeakSet()
+_hooks_installed = False
+
+
+def register_for_cleanup(obj: Any) -> None:
+    """Call `obj.shutdown()` at interpreter exit and on SIGTERM (until `unregister`)."""
+    global _hooks_installed
+    _live.add(obj)
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_shutdown_all)
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def unregister(obj: Any) -> None:
+    _live.discard(obj)
+
+
+def _shutdown_all() -> None:
+    for obj in list(_live):
+        try:
+            obj.shutdown()
+        except Exception:  # noqa: BLE001 - keep stopping the others
+            logger.exception("shutdown at exit failed")
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Stop every engine's children, then die of SIGTERM as if no handler were installed."""
+    _shutdown_all()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# --- child side ----------------------------------------------------------------------------------
+
+
+def _report_failure(conn: Connection, name: str, exc: BaseException) -> None:
+    msg = ProcessFailed(process=name, error_type=type(exc).__name__, message=str(exc),
+                        traceback=traceback.format_exc())
+    with contextlib.suppress(OSError):
+        conn.send_bytes(encode(msg))
+
+
+def _watch_parent(parent_pid: int, stop: StopFlag) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    stop.parent_died = True
+    os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread: ends startup or loop
+    time.sleep(PARENT_DEATH_GRACE_S)
+    os._exit(1)
+
+
+def _child_main(name: str, entry: str, conn: Connection, parent_pid: int,
+                cleanup_dir: str | None, args: tuple) -> None:
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, stop.on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid, stop), name="parent-watch",
+                     daemon=True).start()
+    logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(message)s")
+    code = 0
+    try:
+        module, attr = entry.split(":")
+        service = getattr(importlib.import_module(module), attr)(*args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        _report_failure(conn, name, e)
+        _exit(1)
+    try:
+        conn.send_bytes(encode(ProcessReady(process=name, info=service.ready_info())))
+        stop.interrupt = False
+        service.run(stop)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        if not stop.is_set():
+            logger.exception("%s process failed", name)
+            _report_failure(conn, name, e)
+            code = 1
+    finally:
+        service.close()
+        if stop.parent_died and cleanup_dir:
+            shutil.rmtree(cleanup_dir, ignore_errors=True)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Leave without interpreter finalization: the service has closed what it owns, and
+    finalizing torch and ZeroMQ state can take seconds (or hang) in a child."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

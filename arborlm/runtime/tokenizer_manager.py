@@ -1,0 +1,390 @@
+"""`TokenizerManager`: the API process's end of the multi-process engine.
+
+Callers (coroutines on any event loop, in any thread) hand it a `GenerateRequest`; it
+normalizes, tokenizes and validates it exactly as the in-process client does (same checks, same
+per-request seeds drawn from `random_seed`), sends its sequences to the scheduler process in one
+message (so they are queued together, as in-process), and yields the sequences' events as the
+detokenizer's `BatchTextOutput`s come back. The events are the same native-API JSON that
+`ResponseBuilder` builds in-process (streaming chunks with cumulative text and only-new logprob
+entries, then the final object), so both engine modes answer alike.
+
+A receiver thread owns the socket from the detokenizer and routes each entry to its request's
+asyncio queue (`call_soon_threadsafe`, one call per event loop per message); control replies
+(flush, server info, health) resolve futures in the order the requests were sent, which the
+one-way pipeline preserves. `fail_all(error)` ends every pending call with `error` (the
+multi-process client calls it when a child dies); later calls raise at once.
+
+This module imports no model, scheduler or torch code: the API process stays light. Process
+management (spawning, liveness, shutdown) is `MultiProcessClient`'s job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from arborlm.errors import EngineDeadError, MessageDecodeError
+from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, validate_single
+from arborlm.runtime.ipc import IpcAddresses
+from arborlm.runtime.messages import (
+    AbortReq,
+    BatchTextOutput,
+    BatchTokenizedGenerateReq,
+    ErrorOutput,
+    FlushCacheReq,
+    FlushCacheResp,
+    GetServerInfoReq,
+    HealthCheckReq,
+    HealthCheckResp,
+    LogprobChunk,
+    Message,
+    ServerInfoResp,
+    ShutdownReq,
+    TokenizedGenerateReq,
+)
+from arborlm.runtime.tokenizer_utils import encode
+from arborlm.runtime.zmq_queues import PullQueue, PushQueue
+
+if TYPE_CHECKING:
+    from arborlm.runtime.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+RECV_POLL_S = 0.2  # the receiver thread rechecks its stop flag this often
+# Same keys, same order as `ResponseBuilder`'s (the JSON must not depend on the engine mode).
+LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+_NESTED = {"input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
+           "output_token_ids_logprobs"}
+
+
+class _Sequence:
+    """One generated sequence as its caller sees it: state and native-API events."""
+
+    def __init__(self, index: int, single: SingleRequest, prompt_len: int,
+                 loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.index = index
+        self.single = single
+        self.rid = single.rid
+        self.loop = loop
+        self.queue = queue
+        self.start = time.monotonic()
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.meta: dict[str, Any] = {"id": single.rid, "finish_reason": None,
+                                     "prompt_tokens": prompt_len, "completion_tokens": 0,
+                                     "cached_tokens": 0}
+        self.logprobs: dict[str, list] = {k: [] for k in LOGPROB_KEYS}
+        self._sent = {k: 0 for k in LOGPROB_KEYS}
+        self.finished = False
+        self.detached = False  # the caller stopped listening; events are dropped
+
+    def add(self, out: BatchTextOutput, i: int) -> dict[str, Any] | None:
+        """Apply entry `i` of `out`; return the event to deliver (None: nothing to say yet)."""
+        self.output_ids.extend(out.output_ids[i])
+        self.text = out.texts[i]
+        self.meta.update(completion_tokens=out.completion_tokens[i],
+                         cached_tokens=out.cached_tokens[i], prompt_tokens=out.prompt_tokens[i])
+        if out.jump_forward_steps and out.jump_forward_steps[i]:
+            self.meta["jump_forward_steps"] = out.jump_forward_steps[i]
+        lp = out.logprobs[i]
+        if self.single.return_logprob and lp is not None:
+            self._add_logprobs(lp)
+        if out.finished_reasons[i] is not None:
+            self._finish(out.finished_reasons[i])
+        return self.event()
+
+    def fail(self, message: str, status_code: int) -> dict[str, Any] | None:
+        self._finish({"type": "abort", "message": message, "status_code": status_code})
+        return self.event()
+
+    def _add_logprobs(self, lp: LogprobChunk) -> None:
+        for key in LOGPROB_KEYS:
+            rows = getattr(lp, key)
+            if key in _NESTED:
+                self.logprobs[key].extend(None if r is None else [list(e) for e in r]
+                                          for r in rows)
+            else:
+                self.logprobs[key].extend(list(e) for e in rows)
+
+    def _finish(self, reason: dict[str, Any]) -> None:
+        self.finished = True
+        self.meta["finish_reason"] = reason
+        self.meta["e2e_latency"] = round(time.monotonic() - self.start, 6)
+
+    def event(self) -> dict[str, Any] | None:
+        """A chunk when streaming (new logprob entries only), else the final object once done."""
+        if not self.single.stream and not self.finished:
+            return None
+        meta = dict(self.meta)
+        if self.single.return_logprob:
+            for k, v in self.logprobs.items():
+                if self.single.stream:
+                    meta[k] = v[self._sent[k]:]
+                    self._sent[k] = len(v)
+                else:
+                    meta[k] = list(v)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _duplicate_event(rid: str) -> dict[str, Any]:
+    """The in-process client's answer to a request id that is already in flight."""
+    reason = {"type": "abort", "message": f"duplicate request id {rid!r}", "status_code": 400}
+    return {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}}
+
+
+class TokenizerManager:
+    def __init__(self, config: EngineConfig, tokenizer: Any, addrs: IpcAddresses,
+                 random_seed: int = 0):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_total_tokens = 0  # the scheduler's figure, given to `start`
+        self._recv = PullQueue(addrs.detokenizer_to_tokenizer, bind=True)
+        self._send = PushQueue(addrs.tokenizer_to_scheduler, bind=False)
+        # One lock orders sends with the table of sequences and the reply futures.
+        self._lock = threading.RLock()
+        self._seqs: dict[str, _Sequence] = {}
+        self._replies: dict[type, deque[Future]] = {
+            FlushCacheResp: deque(), ServerInfoResp: deque(), HealthCheckResp: deque()}
+        self._seeds = random.Random(random_seed)
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive_loop, daemon=True,
+                                        name="arborlm-tokenizer-manager")
+
+    def start(self, max_total_tokens: int) -> None:
+        """Start routing outputs once the scheduler is up and has said how big its KV pool is."""
+        self.max_total_tokens = max_total_tokens
+        self._thread.start()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def prepare(self, req: GenerateRequest) -> list[tuple[SingleRequest, list[int]]]:
+        """Normalize, tokenize and validate every sequence (raises before anything is sent)."""
+        out = []
+        for single in req.normalize():
+            ids = (single.input_ids if single.input_ids is not None
+                   else encode(self.tokenizer, single.text))
+            validate_single(single, ids, context_length=self.config.model.context_length,
+                            max_total_tokens=self.max_total_tokens,
+                            vocab_size=self.config.model.vocab_size)
+            out.append((single, ids))
+        return out
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """(sequence index, event) pairs, as `EngineClient.generate` specifies; bad input and a
+        dead engine raise here, before anything is sent."""
+        self.check_alive()
+        return self.generate_prepared(self.prepare(req))
+
+    async def generate_prepared(self, prepared: list[tuple[SingleRequest, list[int]]]
+                                ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """`generate` for sequences already tokenized and validated by `prepare`."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seqs = [_Sequence(i, s, len(ids), loop, events) for i, (s, ids) in enumerate(prepared)]
+        msgs = [self._tokenized(s, ids) for s, ids in prepared]
+        self._submit(seqs, msgs)
+        pending = len(seqs)
+        try:
+            while pending:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                index, event = item
+                if event["meta_info"]["finish_reason"] is not None:
+                    pending -= 1
+                yield index, event
+        finally:
+            if pending:
+                self._detach(seqs)
+
+    def _tokenized(self, single: SingleRequest, ids: list[int]) -> TokenizedGenerateReq:
+        seed = single.sampling_params.sampling_seed
+        if seed is None:
+            with self._lock:
+                seed = self._seeds.getrandbits(62)
+        return TokenizedGenerateReq(
+            rid=single.rid, input_ids=ids, sampling_params=dataclasses.asdict(
+                single.sampling_params), return_logprob=single.return_logprob,
+            logprob_start_len=single.logprob_start_len, top_logprobs_num=single.top_logprobs_num,
+            token_ids_logprob=single.token_ids_logprob,
+            return_text_in_logprobs=single.return_text_in_logprobs, stream=single.stream,
+            extra_key=single.extra_key, priority=single.priority, seed=seed)
+
+    def _submit(self, seqs: list[_Sequence], msgs: list[TokenizedGenerateReq]) -> None:
+        """Register the sequences and send them in one message (queued together, as in-process);
+        an id already in flight gets the in-process client's duplicate-id answer."""
+        batch = []
+        with self._lock:
+            self.check_alive()
+            for seq, msg in zip(seqs, msgs):
+                if seq.rid in self._seqs:
+                    seq.finished = True
+                    seq.queue.put_nowait((seq.index, _duplicate_event(seq.rid)))
+                    continue
+                self._seqs[seq.rid] = seq
+                batch.append(msg)
+            if len(batch) == 1:
+                self._send.put(batch[0])
+            elif batch:
+                self._send.put(BatchTokenizedGenerateReq(reqs=batch))
+
+    def _detach(self, seqs: list[_Sequence]) -> None:
+        """The caller left early: drop its events and abort what is still running."""
+        with self._lock:
+            for seq in seqs:
+                if self._seqs.get(seq.rid) is seq:
+                    seq.detached = True
+                    if self._error is None:
+                        self._send.put(AbortReq(rid=seq.rid))
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        with self._lock:
+            self.check_alive()
+            self._send.put(AbortReq(rid=rid, abort_all=abort_all))
+
+    # --- control ------------------------------------------------------------------------------
+
+    def _ask(self, msg: Message, reply: type) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self.check_alive()
+            self._replies[reply].append(fut)
+            self._send.put(msg)
+        return fut
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        return await asyncio.wrap_future(self._ask(FlushCacheReq(), FlushCacheResp))
+
+    async def server_info(self) -> dict[str, Any]:
+        return await asyncio.wrap_future(self._ask(GetServerInfoReq(), ServerInfoResp))
+
+    async def health_check(self) -> bool:
+        """A round trip through the scheduler and the detokenizer."""
+        return await asyncio.wrap_future(self._ask(HealthCheckReq(), HealthCheckResp))
+
+    def send_shutdown(self) -> None:
+        """Ask the scheduler to stop; the request travels on to the detokenizer and back here."""
+        with self._lock:
+            self._send.put(ShutdownReq())
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(self._error)
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        """End every pending call with `error`; later calls raise it at once."""
+        with self._lock:
+            if self._error is None:
+                self._error = str(error)
+            seqs = list(self._seqs.values())
+            self._seqs.clear()
+            futures = [f for q in self._replies.values() for f in q]
+            for q in self._replies.values():
+                q.clear()
+        for seq in seqs:
+            if not seq.detached:
+                _call_in(seq.loop, [(seq.queue, EngineDeadError(self._error))])
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self._error))
+
+    def close(self, error: EngineDeadError) -> None:
+        """Fail what is pending, stop the receiver thread, close the sockets."""
+        self.fail_all(error)
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._recv.close()
+        with self._lock:
+            self._send.close()
+
+    # --- receiver thread ----------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self._recv.get(timeout=RECV_POLL_S)
+            except MessageDecodeError:
+                logger.exception("undecodable message from the detokenizer dropped")
+                continue
+            if isinstance(msg, ShutdownReq):
+                return
+            if msg is None:
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001 - keep routing for everyone else
+                logger.exception("routing a %s failed", type(msg).__name__)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, BatchTextOutput):
+            self._route(msg)
+        elif isinstance(msg, ErrorOutput):
+            self._route_error(msg)
+        elif isinstance(msg, FlushCacheResp):
+            self._reply(FlushCacheResp, (msg.ok, msg.message))
+        elif isinstance(msg, ServerInfoResp):
+            self._reply(ServerInfoResp, msg.info)
+        elif isinstance(msg, HealthCheckResp):
+            self._reply(HealthCheckResp, msg.ok)
+        else:
+            logger.warning("tokenizer manager ignores unexpected %s", type(msg).__name__)
+
+    def _route(self, out: BatchTextOutput) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for i, rid in enumerate(out.rids):
+                seq = self._seqs.get(rid)
+                if seq is None:
+                    continue
+                event = seq.add(out, i)
+                if seq.finished:
+                    del self._seqs[rid]
+                if event is not None and not seq.detached:
+                    by_loop.setdefault(seq.loop, []).append((seq.queue, (seq.index, event)))
+        for loop, items in by_loop.items():
+            _call_in(loop, items)
+
+    def _route_error(self, err: ErrorOutput) -> None:
+        with self._lock:
+            seq = self._seqs.pop(err.rid, None)
+            if seq is None:
+                return
+            event = seq.fail(err.message, err.status_code)
+            if self._error is None:  # it may still run in the scheduler (a detokenizer error)
+                self._send.put(AbortReq(rid=err.rid))
+        if event is not None and not seq.detached:
+            _call_in(seq.loop, [(seq.queue, (seq.index, event))])
+
+    def _reply(self, kind: type, value: Any) -> None:
+        with self._lock:
+            fut = self._replies[kind].popleft() if self._replies[kind] else None
+        if fut is None:
+            logger.warning("unexpected %s dropped", kind.__name__)
+        elif not fut.done():
+            fut.set_result(value)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+        pass
