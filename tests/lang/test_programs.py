@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 import arborlm.lang as sgl
 from tests.lang.conftest import GREEDY, require_grammar
 
@@ -145,3 +147,16 @@ def test_typed_and_constrained_gens(backend):
     assert state["c"] in ("red", "green")
     data = json.loads(state["j"])
     assert set(data) == {"name", "age"} and isinstance(data["age"], int)
+
+
+def test_an_engine_is_accepted_as_the_backend(engine_backend, monkeypatch):
+    from arborlm.lang.backends.engine_backend import EngineBackend
+
+    monkeypatch.setattr("arborlm.lang.program._default_backend", None)
+    sgl.set_default_backend(engine_backend.engine)
+    wrapped = sgl.get_default_backend()
+    assert isinstance(wrapped, EngineBackend) and wrapped.engine is engine_backend.engine
+    assert continue_text.run(PROMPT, 4, **GREEDY)["x"] == \
+        raw(engine_backend, PROMPT, max_new_tokens=4)["text"]
+    with pytest.raises(TypeError, match="not a backend"):
+        sgl.set_default_backend("http://not-a-backend")
