@@ -143,9 +143,14 @@ class GrammarCompiler:
         return len(self._entries)
 
     def shutdown(self) -> None:
-        """Stop accepting work; queued compiles are dropped, running ones end on their own."""
+        """Stop accepting work: queued and running compiles fail their waiters with a
+        `GrammarError`; running engine calls end on their own, their results discarded."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._watchdog.stop()
+        with self._lock:
+            pending = [entry for entry in self._entries.values() if not entry.resolved]
+        for entry in pending:
+            self._finish(entry, None, GrammarError("the grammar compiler was shut down"))
 
     def _finish(self, entry: _Entry, result: CompiledGrammar | None,
                 error: GrammarError | None, timed_out: bool = False) -> bool:

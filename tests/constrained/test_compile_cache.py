@@ -116,3 +116,14 @@ def test_for_tokenizer_builds_backends_lazily(tokenizer) -> None:
     assert isinstance(compiler.submit("choices", '["x"]', backend="xgrammar").result(timeout=30),
                       XGrammarCompiled)
     compiler.shutdown()
+
+
+def test_shutdown_fails_pending_waiters(tokenizer) -> None:
+    backend = create_grammar_backend("xgrammar", tokenizer, VOCAB, [EOS])
+    compiler = GrammarCompiler({"xgrammar": backend}, max_workers=1, max_stalled=0)
+    running = compiler.submit("json_schema", SLOW_SCHEMA)
+    queued = compiler.submit("regex", "[0-9]")
+    compiler.shutdown()
+    for future in (running, queued):
+        with pytest.raises(GrammarError, match="shut down"):
+            future.result(timeout=1)
