@@ -94,6 +94,23 @@ class _RequestText:
         return ids, lp
 
 
+def _text_batch(batch: BatchTokenOutput, sent: list[tuple[int, _RequestText]]
+                ) -> BatchTextOutput:
+    """Entries `i` of `batch` with each request's text and what it had not sent yet."""
+    unsent = [req.take() for _, req in sent]
+    jump = [batch.jump_forward_steps[i] if batch.jump_forward_steps else 0 for i, _ in sent]
+    return BatchTextOutput(
+        rids=[batch.rids[i] for i, _ in sent], texts=[req.text for _, req in sent],
+        output_ids=[ids for ids, _ in unsent],
+        finished_reasons=[batch.finished_reasons[i] for i, _ in sent],
+        prompt_tokens=[batch.prompt_tokens[i] for i, _ in sent],
+        completion_tokens=[batch.completion_tokens[i] for i, _ in sent],
+        cached_tokens=[batch.cached_tokens[i] for i, _ in sent],
+        logprobs=[lp for _, lp in unsent],
+        matched_stops=[req.detok.matched_stop for _, req in sent],
+        jump_forward_steps=jump if any(jump) else [])
+
+
 class DetokenizerService:
     def __init__(self, tokenizer_path: str, addrs: IpcAddresses):
         self.tokenizer = load_tokenizer(tokenizer_path)
@@ -112,7 +129,7 @@ class DetokenizerService:
             if first is None:
                 continue
             for msg in [first, *self.recv.get_nowait_all()]:
-                self._handle(msg)
+                self.handle(msg)
                 if isinstance(msg, ShutdownReq):
                     stop.set("shutdown requested")
                     break
@@ -122,7 +139,8 @@ class DetokenizerService:
         self.send.close(linger_s=CLOSE_LINGER_S)  # let the last messages (a ShutdownReq) out
         terminate_context()
 
-    def _handle(self, msg: Message) -> None:
+    def handle(self, msg: Message) -> None:
+        """Answer one message from the scheduler (the loop's body)."""
         if isinstance(msg, BatchTokenOutput):
             out = self._detokenize(msg)
             if out.rids:
@@ -133,8 +151,8 @@ class DetokenizerService:
         self.send.put(msg)
 
     def _detokenize(self, batch: BatchTokenOutput) -> BatchTextOutput:
-        out = BatchTextOutput([], [], [], [], [], [], [], [], [])
-        jump = batch.jump_forward_steps or [0] * len(batch.rids)
+        """Text for the streaming requests of `batch` and for those it finishes."""
+        sent: list[tuple[int, _RequestText]] = []
         for i, rid in enumerate(batch.rids):
             reason = batch.finished_reasons[i]
             try:
@@ -149,20 +167,9 @@ class DetokenizerService:
                 req = None
             if reason is not None:
                 self.failed.discard(rid)
-            if req is None or (reason is None and not req.opts.stream):
-                continue
-            ids, lp = req.take()
-            for col, value in ((out.rids, rid), (out.texts, req.text), (out.output_ids, ids),
-                               (out.finished_reasons, reason),
-                               (out.prompt_tokens, batch.prompt_tokens[i]),
-                               (out.completion_tokens, batch.completion_tokens[i]),
-                               (out.cached_tokens, batch.cached_tokens[i]), (out.logprobs, lp),
-                               (out.matched_stops, req.detok.matched_stop),
-                               (out.jump_forward_steps, jump[i])):
-                col.append(value)
-        if not any(out.jump_forward_steps):
-            out.jump_forward_steps = []
-        return out
+            if req is not None and (reason is not None or req.opts.stream):
+                sent.append((i, req))
+        return _text_batch(batch, sent)
 
     def _update(self, rid: str, opts: DecodeOptions | None, ids: list[int],
                 reason: dict[str, Any] | None, lp: LogprobChunk | None) -> _RequestText | None:

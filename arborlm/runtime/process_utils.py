@@ -229,17 +229,16 @@ def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 _live: weakref.WeakSet = weakref.WeakSet()
-_hooks_installed = False
+_atexit_registered = False
 
 
 def register_for_cleanup(obj: Any) -> None:
     """Call `obj.shutdown()` at interpreter exit and on SIGTERM (until `unregister`)."""
-    global _hooks_installed
+    global _atexit_registered
     _live.add(obj)
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(_shutdown_all)
+    if not _atexit_registered:
+        _atexit_registered = True
+        atexit.register(_shutdown_all)
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)

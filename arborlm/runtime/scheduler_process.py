@@ -154,30 +154,19 @@ class SchedulerService:
     # --- output -------------------------------------------------------------------------------
 
     def _send_outputs(self, outputs: list[ReqOutput]) -> None:
-        cols: dict[str, list] = {k: [] for k in (
-            "rids", "new_token_ids", "finished_reasons", "prompt_tokens", "completion_tokens",
-            "cached_tokens", "decode_options", "logprobs", "jump_forward_steps")}
+        """One `BatchTokenOutput` for the step; a request's first entry carries its options."""
+        entries = []
         for out in outputs:
             live = self.live.get(out.rid)
             if live is None:
                 logger.warning("report for unknown request %s dropped", out.rid)
                 continue
             options, live.options = live.options, None
-            for key, value in (
-                    ("rids", out.rid), ("new_token_ids", out.new_token_ids),
-                    ("finished_reasons", out.finished_reason),
-                    ("prompt_tokens", out.prompt_tokens),
-                    ("completion_tokens", out.completion_tokens),
-                    ("cached_tokens", out.cached_tokens), ("decode_options", options),
-                    ("logprobs", _logprob_chunk(out) if live.return_logprob else None),
-                    ("jump_forward_steps", out.jump_forward_steps)):
-                cols[key].append(value)
+            entries.append((out, options, _logprob_chunk(out) if live.return_logprob else None))
             if out.finished_reason is not None:
                 del self.live[out.rid]
-        if cols["rids"]:
-            if not any(cols["jump_forward_steps"]):
-                cols["jump_forward_steps"] = []
-            self.send.put(BatchTokenOutput(**cols))
+        if entries:
+            self.send.put(_token_batch(entries))
 
     def _answer(self, msg: Message) -> None:
         if isinstance(msg, FlushCacheReq):
@@ -212,6 +201,20 @@ def _decode_options(msg: TokenizedGenerateReq, params: SamplingParams) -> Decode
         return_text_in_logprobs=msg.return_text_in_logprobs,
         prompt_tail_ids=msg.input_ids[-PROMPT_CONTEXT_TOKENS:],
         stop_regex=list(params.stop_regex), stream=msg.stream)
+
+
+def _token_batch(entries: list[tuple[ReqOutput, DecodeOptions | None, LogprobChunk | None]]
+                 ) -> BatchTokenOutput:
+    outs = [out for out, _, _ in entries]
+    jump = [o.jump_forward_steps for o in outs]
+    return BatchTokenOutput(
+        rids=[o.rid for o in outs], new_token_ids=[o.new_token_ids for o in outs],
+        finished_reasons=[o.finished_reason for o in outs],
+        prompt_tokens=[o.prompt_tokens for o in outs],
+        completion_tokens=[o.completion_tokens for o in outs],
+        cached_tokens=[o.cached_tokens for o in outs],
+        decode_options=[options for _, options, _ in entries],
+        logprobs=[lp for _, _, lp in entries], jump_forward_steps=jump if any(jump) else [])
 
 
 def _entries(pairs: list) -> list:

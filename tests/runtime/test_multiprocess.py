@@ -23,7 +23,12 @@ import pytest
 
 from arborlm import Engine
 from arborlm.errors import EngineDeadError, InvalidRequestError
+from arborlm.runtime.detokenizer import decode_text
+from arborlm.runtime.detokenizer_process import DetokenizerService
 from arborlm.runtime.generate_request import GenerateRequest
+from arborlm.runtime.ipc import IpcAddresses
+from arborlm.runtime.messages import BatchTokenOutput, DecodeOptions, ErrorOutput
+from arborlm.runtime.zmq_queues import PullQueue
 from tests.conftest import REPO_ROOT
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -257,6 +262,37 @@ def test_control_requests(multiproc):
     assert flushed[0] is False and "pending" in flushed[1]
     assert busy["integrity_ok"] is False and busy["num_running_reqs"] == 1
     multiproc.check_integrity()
+
+
+def test_detokenizer_failure_ends_only_that_request(llama_path):
+    """A token id the tokenizer cannot decode fails its request alone (the service's handler,
+    run here without a process)."""
+    addrs = IpcAddresses.create()
+    to_api = PullQueue(addrs.detokenizer_to_tokenizer, bind=True)
+    service = DetokenizerService(llama_path, addrs)
+    opts, done = DecodeOptions(stream=True), {"type": "length", "length": 2}
+
+    def step(ids, reasons, options):
+        return BatchTokenOutput(rids=["good", "bad"], new_token_ids=ids, finished_reasons=reasons,
+                                prompt_tokens=[2, 2], completion_tokens=[len(ids[0])] * 2,
+                                cached_tokens=[0, 0], decode_options=options,
+                                logprobs=[None, None])
+
+    try:
+        service.handle(step([[40], [-1]], [None, None], [opts, opts]))
+        service.handle(step([[41], [42]], [done, done], [None, None]))
+        msgs = [to_api.get(timeout=5) for _ in range(3)]
+        assert service.requests == {} and service.failed == set()
+    finally:
+        service.recv.close()
+        service.send.close()
+        to_api.close()
+        addrs.cleanup()
+    assert isinstance(msgs[0], ErrorOutput) and msgs[0].rid == "bad"
+    assert msgs[0].status_code == 500 and "OverflowError" in msgs[0].message
+    assert [m.rids for m in msgs[1:]] == [["good"], ["good"]]
+    assert msgs[2].texts == [decode_text(service.tokenizer, [40, 41])]
+    assert msgs[2].finished_reasons == [done]
 
 
 # --- failures and cleanup ----------------------------------------------------------------------

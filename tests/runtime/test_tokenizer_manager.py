@@ -1,0 +1,193 @@
+"""`TokenizerManager` over real sockets, with the test playing the scheduler and detokenizer.
+
+No child processes: the test receives what the tokenizer manager sends on the scheduler's
+address and answers on the detokenizer's, so routing, reply order and failure handling are
+checked exactly and fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from arborlm.errors import EngineDeadError, InvalidRequestError
+from arborlm.runtime.config import EngineArgs
+from arborlm.runtime.generate_request import GenerateRequest
+from arborlm.runtime.ipc import IpcAddresses
+from arborlm.runtime.messages import (
+    AbortReq,
+    BatchTextOutput,
+    BatchTokenizedGenerateReq,
+    ErrorOutput,
+    FlushCacheReq,
+    FlushCacheResp,
+    LogprobChunk,
+    TokenizedGenerateReq,
+)
+from arborlm.runtime.tokenizer_manager import TokenizerManager
+from arborlm.runtime.tokenizer_utils import load_tokenizer
+from arborlm.runtime.zmq_queues import PullQueue, PushQueue
+
+
+class Pipeline:
+    """A tokenizer manager plus the scheduler's inbox and the detokenizer's outbox."""
+
+    def __init__(self, path: str):
+        config = EngineArgs(model_path=path, dtype="float32").resolve()
+        self.addrs = IpcAddresses.create()
+        self.tm = TokenizerManager(config, load_tokenizer(config.tokenizer_path), self.addrs)
+        self.inbox = PullQueue(self.addrs.tokenizer_to_scheduler, bind=True)
+        self.outbox = PushQueue(self.addrs.detokenizer_to_tokenizer, bind=False)
+        self.tm.start(max_total_tokens=64)
+
+    def received(self):
+        msg = self.inbox.get(timeout=5)
+        assert msg is not None, "nothing reached the scheduler's address"
+        return msg
+
+    def close(self) -> None:
+        self.tm.close(EngineDeadError("test over"))
+        self.inbox.close()
+        self.outbox.close()
+        self.addrs.cleanup()
+
+
+@pytest.fixture
+def pipe(make_tiny_model):
+    p = Pipeline(str(make_tiny_model("llama")))
+    yield p
+    p.close()
+
+
+def text_output(rids, texts, ids, reasons, logprobs=None) -> BatchTextOutput:
+    n = len(rids)
+    return BatchTextOutput(rids=rids, texts=texts, output_ids=ids, finished_reasons=reasons,
+                           prompt_tokens=[3] * n, completion_tokens=[len(i) for i in ids],
+                           cached_tokens=[0] * n, logprobs=logprobs or [None] * n,
+                           matched_stops=[None] * n)
+
+
+async def _next(agen):
+    return await asyncio.wait_for(agen.__anext__(), 5)
+
+
+def test_batch_is_sent_as_one_message_and_routed_by_rid(pipe):
+    req = GenerateRequest(text=["a b", "c d"], sampling_params={"max_new_tokens": 2},
+                          rid=["r0", "r1"], stream=True, return_logprob=True)
+
+    async def run():
+        events = pipe.tm.generate(req)
+        first = asyncio.ensure_future(_next(events))
+        sent = await asyncio.to_thread(pipe.received)
+        lp = LogprobChunk(output_token_logprobs=[(-0.5, 40, None)])
+        pipe.outbox.put(text_output(["r1", "r0"], ["x", "y"], [[40], [41]], [None, None],
+                                    [lp, LogprobChunk()]))
+        got = [await first, await _next(events)]
+        pipe.outbox.put(text_output(["r0", "r1"], ["yz", "xz"], [[42], [43]],
+                                    [{"type": "length", "length": 2}] * 2))
+        got += [item async for item in events]
+        return sent, got
+
+    sent, got = asyncio.run(run())
+    assert isinstance(sent, BatchTokenizedGenerateReq)
+    assert [r.rid for r in sent.reqs] == ["r0", "r1"]
+    assert all(isinstance(r, TokenizedGenerateReq) and r.seed is not None for r in sent.reqs)
+    assert [(i, e["text"], e["output_ids"]) for i, e in got] == [
+        (1, "x", [40]), (0, "y", [41]), (0, "yz", [41, 42]), (1, "xz", [40, 43])]
+    assert got[0][1]["meta_info"]["output_token_logprobs"] == [[-0.5, 40, None]]
+    assert got[3][1]["meta_info"]["output_token_logprobs"] == []  # only new entries
+    assert got[3][1]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
+def test_invalid_request_raises_before_anything_is_sent(pipe):
+    with pytest.raises(InvalidRequestError, match="KV cache holds only 64"):
+        pipe.tm.generate(GenerateRequest(input_ids=[5] * 100))
+    assert pipe.inbox.get(timeout=0.2) is None
+
+
+def test_error_output_ends_the_request_and_aborts_it(pipe):
+    async def run():
+        events = pipe.tm.generate(GenerateRequest(text="hi", rid="e1"))
+        first = asyncio.ensure_future(_next(events))
+        await asyncio.to_thread(pipe.received)
+        pipe.outbox.put(ErrorOutput(rid="e1", message="grammar failed", status_code=400))
+        return await first
+
+    index, event = asyncio.run(run())
+    assert event["meta_info"]["finish_reason"] == {
+        "type": "abort", "message": "grammar failed", "status_code": 400}
+    assert pipe.received() == AbortReq(rid="e1")
+
+
+def test_closing_the_stream_early_aborts_the_request(pipe):
+    async def run():
+        events = pipe.tm.generate(GenerateRequest(text="hi", rid="c1", stream=True))
+        first = asyncio.ensure_future(_next(events))
+        await asyncio.to_thread(pipe.received)
+        pipe.outbox.put(text_output(["c1"], ["a"], [[40]], [None]))
+        await first
+        await events.aclose()
+
+    asyncio.run(run())
+    assert pipe.received() == AbortReq(rid="c1")
+
+
+def test_control_replies_resolve_in_send_order(pipe):
+    async def run():
+        first = asyncio.ensure_future(pipe.tm.flush_cache())
+        second = asyncio.ensure_future(pipe.tm.flush_cache())
+        await asyncio.sleep(0)
+        sent = [await asyncio.to_thread(pipe.received) for _ in range(2)]
+        pipe.outbox.put(FlushCacheResp(ok=False, message="busy"))
+        pipe.outbox.put(FlushCacheResp(ok=True, message="flushed"))
+        return sent, await first, await second
+
+    sent, first, second = asyncio.run(run())
+    assert sent == [FlushCacheReq(), FlushCacheReq()]
+    assert (first, second) == ((False, "busy"), (True, "flushed"))
+
+
+def test_callers_on_different_event_loops_get_their_own_events(pipe):
+    results: dict[str, list] = {}
+
+    def caller(rid: str, ready: threading.Event) -> None:
+        async def run():
+            events = pipe.tm.generate(GenerateRequest(text="hi", rid=rid))
+            first = asyncio.ensure_future(_next(events))
+            await asyncio.sleep(0)
+            ready.set()
+            results[rid] = [await first]
+
+        asyncio.run(run())
+
+    flags = {rid: threading.Event() for rid in ("t0", "t1")}
+    threads = [threading.Thread(target=caller, args=(rid, f)) for rid, f in flags.items()]
+    for t in threads:
+        t.start()
+    for f in flags.values():
+        assert f.wait(5)
+    assert {pipe.received().rid for _ in range(2)} == {"t0", "t1"}
+    done = {"type": "length", "length": 1}
+    pipe.outbox.put(text_output(["t1", "t0"], ["one", "zero"], [[41], [40]], [done, done]))
+    for t in threads:
+        t.join(5)
+    assert results["t0"][0][1]["text"] == "zero" and results["t1"][0][1]["text"] == "one"
+
+
+def test_fail_all_wakes_every_waiter_and_later_calls_raise(pipe):
+    async def run():
+        events = pipe.tm.generate(GenerateRequest(text="hi"))
+        pending = asyncio.ensure_future(_next(events))
+        flush = asyncio.ensure_future(pipe.tm.flush_cache())
+        await asyncio.sleep(0.05)
+        pipe.tm.fail_all(EngineDeadError("scheduler process died (exit code -9)"))
+        outcomes = await asyncio.gather(pending, flush, return_exceptions=True)
+        return [str(o) for o in outcomes if isinstance(o, EngineDeadError)]
+
+    assert asyncio.run(run()) == ["scheduler process died (exit code -9)"] * 2
+    with pytest.raises(EngineDeadError, match="exit code -9"):
+        pipe.tm.generate(GenerateRequest(text="hi"))
+    with pytest.raises(EngineDeadError):
+        pipe.tm.abort("x")
