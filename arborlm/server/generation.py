@@ -5,9 +5,11 @@ server's `max_new_tokens` limit), take its sequences' slots at the admission gat
 `Overloaded`), stream events from the engine client, feed the metrics, and give the slots back
 however the request ends. The engine is always asked to stream, so time-to-first-token and
 inter-token latency are measured for every request; `collect_finals` folds a stream back into
-the final native objects (its logprob lists concatenated). `race_disconnect` runs an awaitable
-until it finishes or the HTTP client goes away — in which case the awaitable is cancelled, and
-closing the engine iterator aborts the request in the engine.
+the final native objects (its logprob lists concatenated). A sequence the engine aborts with
+an error status (not the client's own abort) fails the request with that status.
+`race_disconnect` runs an awaitable until it finishes or the HTTP client goes away — in which
+case the awaitable is cancelled, and closing the engine iterator aborts the request in the
+engine.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from arborlm.errors import InvalidRequestError
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest
+from arborlm.server.errors import ApiError
 from arborlm.server.limits import AdmissionGate, check_max_new_tokens
 from arborlm.server.metrics import ServerMetrics
 
@@ -65,6 +69,7 @@ class GenerationRunner:
             async with aclosing(self.client.generate(stream)) as engine_events:
                 async for index, event in engine_events:
                     observer.event(index, event)
+                    _raise_if_failed(event)
                     yield index, event
         finally:
             observer.close(n)
@@ -86,6 +91,23 @@ class GenerationRunner:
                     if r.startswith(prefix) and r[len(prefix):].isdigit()]
         for target in [rid, *children]:
             self.client.abort(target)
+
+
+# An abort the client asked for (or caused by leaving); any other abort is a failed request.
+CLIENT_ABORT_STATUS = 499
+
+
+def _raise_if_failed(event: dict[str, Any]) -> None:
+    """A sequence the engine ended with an error (invalid grammar, KV pool too small, a
+    failure in a child process) fails the whole request, with the engine's status."""
+    reason = event["meta_info"].get("finish_reason") or {}
+    status = reason.get("status_code")
+    if reason.get("type") != "abort" or status in (None, CLIENT_ABORT_STATUS):
+        return
+    message = reason.get("message") or "the request failed"
+    if status == 400:
+        raise InvalidRequestError(message)
+    raise ApiError(status, message)
 
 
 async def collect_finals(events: AsyncIterator[Event]) -> list[dict[str, Any]]:

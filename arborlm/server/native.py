@@ -67,6 +67,8 @@ async def _native_stream(stream: AsyncIterator[Event], several: bool) -> AsyncIt
                 yield sse.event({**event, "index": index} if several else event)
     except InvalidRequestError as e:
         yield sse.error_event(e.message, 400)
+    except ApiError as e:
+        yield sse.error_event(e.message, e.status)
     except Exception as e:  # noqa: BLE001 - reported to the client mid-stream
         logger.exception("generation failed mid-stream")
         yield sse.error_event(f"generation failed: {e}", 500)

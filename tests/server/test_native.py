@@ -243,6 +243,21 @@ def test_abort_request_ends_streams_with_abort(http):
     assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
 
 
+def test_a_request_the_engine_fails_is_an_error(http):
+    """A rid already in flight: the engine ends the newcomer with a 400 abort."""
+    body = {"text": "dup", "rid": "dup", "sampling_params": {"max_new_tokens": 1000,
+                                                             "ignore_eos": True}}
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        again = http.post("/generate", json=body)
+        assert again.status_code == 400
+        assert "duplicate request id" in again.json()["error"]["message"]
+        with http.stream("POST", "/generate", json={**body, "stream": True}) as dup:
+            assert dup.status_code == 400  # failed before its stream started
+        http.post("/abort_request", json={"rid": "dup"})
+
+
 def test_tokenize_detokenize_round_trip(http):
     one = http.post("/tokenize", json={"prompt": "hello world"}).json()
     assert one["count"] == len(one["tokens"]) and one["max_model_len"] == 1024
