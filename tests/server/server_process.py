@@ -3,7 +3,9 @@
 `running_server(model_path, *flags)` starts `python -m arborlm.server` on a free loopback port
 (`--port 0`; the port is read from the server's ready line), waits until `/health` answers, and
 on exit stops it with SIGTERM and asserts that it exited with status 0 and left no child
-process behind. The server's log goes to a temporary file, printed when startup fails.
+process behind. The server's log goes to a temporary file, printed when startup fails. The
+engine mode is the server's default (multi-process) unless `$ARBORLM_TEST_ENGINE_MODE` names
+one, e.g. `ARBORLM_TEST_ENGINE_MODE=inprocess pytest tests/server`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class ServerProcess:
         self.log = Path(tempfile.mkstemp(prefix="arborlm-server-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "arborlm.server", "--model-path", str(model_path),
                "--host", "127.0.0.1", "--port", "0", *flags]
+        if os.environ.get("ARBORLM_TEST_ENGINE_MODE"):
+            cmd += ["--engine-mode", os.environ["ARBORLM_TEST_ENGINE_MODE"]]
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -107,7 +107,10 @@ def test_sigterm_drains_in_flight_requests_for_a_bounded_time(make_tiny_model):
         assert short["events"][-1] == "[DONE]"  # finished during the drain
         final = json.loads(short["events"][-2])
         assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 150}
-        assert "[DONE]" not in long["events"]  # cut off when the drain time ran out
+        # The long request was cut off (connection closed, or an error event once the engine
+        # stopped) when the drain time ran out: its four sequences did not all finish.
+        parsed = [json.loads(e) for e in long["events"] if e != "[DONE]"]
+        assert sum(1 for e in parsed if (e.get("meta_info") or {}).get("finish_reason")) < 4
         assert 3 <= took < 30
     finally:
         server.cleanup()
