@@ -62,6 +62,13 @@ class EngineArgs:
     disable_radix_cache: bool = _doc("Turn off prefix reuse.", default=False)
     attention_backend: str = _doc("Attention backend: auto, torch_native, triton, flashinfer.",
                                   default="auto")
+    disable_cuda_graph: bool = _doc(
+        "Run every decode step eagerly instead of replaying captured CUDA graphs (graphs are "
+        "used only on CUDA with the triton or flashinfer backend).", default=False)
+    cuda_graph_max_bs: int = _doc(
+        "Largest decode batch captured in a CUDA graph; a batch is padded up to the next "
+        "captured size (1, 2, 4, 8, then multiples of 8) and larger ones run eagerly.",
+        default=32)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
     grammar_backend: str = _doc("Grammar engine: xgrammar or outlines.", default="xgrammar")
     debug_integrity: bool = _doc("Check KV-pool and cache invariants whenever the engine idles.",
@@ -84,6 +91,8 @@ class EngineArgs:
                 "schedule_policy")
         if self.page_size < 1:
             raise InvalidRequestError("page_size must be >= 1", "page_size")
+        if self.cuda_graph_max_bs < 1:
+            raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < self.page_size:
             raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
