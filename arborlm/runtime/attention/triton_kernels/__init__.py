@@ -7,9 +7,12 @@ to run the kernels on CPU in Triton's interpreter (the kernel tests do).
 
 from arborlm.runtime.attention.triton_kernels.common import INTERPRET
 from arborlm.runtime.attention.triton_kernels.decode_attention import (
+    MAX_KV_SPLITS,
     decode_attention_fwd,
     num_kv_splits,
+    request_kv_splits,
 )
 from arborlm.runtime.attention.triton_kernels.extend_attention import extend_attention_fwd
 
-__all__ = ["INTERPRET", "decode_attention_fwd", "extend_attention_fwd", "num_kv_splits"]
+__all__ = ["INTERPRET", "MAX_KV_SPLITS", "decode_attention_fwd", "extend_attention_fwd",
+           "num_kv_splits", "request_kv_splits"]

@@ -33,11 +33,21 @@ SPLIT_CHUNK = 32 if INTERPRET else 256  # a request gets one split per this many
 MAX_KV_SPLITS = 4 if INTERPRET else 32  # ... up to this many
 
 
+def request_kv_splits(seq_lens: torch.Tensor) -> torch.Tensor:
+    """Split count of each request `[B]` int32, from its own length: device ops only, so it
+    can run before a CUDA-graph replay without a host sync."""
+    return torch.clamp((seq_lens + SPLIT_CHUNK - 1) // SPLIT_CHUNK, 1, MAX_KV_SPLITS).to(
+        torch.int32)
+
+
 def num_kv_splits(seq_lens: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, int]:
-    """Per-request split counts `[B]` int32 and the grid size (from the longest sequence)."""
-    splits = torch.clamp((seq_lens + SPLIT_CHUNK - 1) // SPLIT_CHUNK, 1, MAX_KV_SPLITS)
+    """Per-request split counts `[B]` int32 and the grid size (from the longest sequence).
+
+    A CUDA graph instead launches the fixed grid `MAX_KV_SPLITS`: the programs past a request's
+    own split count exit at once, so its output is the same for either grid size.
+    """
     grid_splits = min(max(triton.cdiv(max_seq_len, SPLIT_CHUNK), 1), MAX_KV_SPLITS)
-    return splits.to(torch.int32), grid_splits
+    return request_kv_splits(seq_lens), grid_splits
 
 
 @triton.jit
@@ -132,12 +142,15 @@ def _decode_stage2(
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, kv_splits: torch.Tensor, grid_splits: int,
-                     sm_scale: float) -> torch.Tensor:
+                     sm_scale: float,
+                     scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one new token per request over its whole cached sequence.
 
     q `[B, H, D]`; k/v_buffer `[num_slots, Hkv, D]`; req_to_token `[rows, max_len]` int64;
     req_pool_indices, seq_lens `[B]`; kv_splits `[B]` int32 and grid_splits from
-    `num_kv_splits`. Returns `[B, H, D]` in q's dtype.
+    `num_kv_splits`. `scratch` (mid_o `[B, H, grid_splits, D]`, mid_lse `[B, H, grid_splits]`,
+    float32) holds the per-split partial results; without it they are allocated per call.
+    Returns `[B, H, D]` in q's dtype.
     """
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -146,10 +159,16 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
     block_d = head_block(head_dim)
     block_h = max(16, triton.next_power_of_2(group))  # query-head rows per tile
-    mid_o = torch.empty((bsz, num_heads, grid_splits, head_dim), dtype=torch.float32,
-                        device=q.device)  # [B, H, S, D]
-    mid_lse = torch.empty((bsz, num_heads, grid_splits), dtype=torch.float32,
-                          device=q.device)  # [B, H, S]
+    if scratch is None:
+        mid_o = torch.empty((bsz, num_heads, grid_splits, head_dim), dtype=torch.float32,
+                            device=q.device)  # [B, H, S, D]
+        mid_lse = torch.empty((bsz, num_heads, grid_splits), dtype=torch.float32,
+                              device=q.device)  # [B, H, S]
+    else:
+        mid_o, mid_lse = scratch
+        assert mid_o.shape == (bsz, num_heads, grid_splits, head_dim), "scratch mid_o shape"
+        assert mid_lse.shape == (bsz, num_heads, grid_splits), "scratch mid_lse shape"
+        assert mid_o.stride(3) == 1, "scratch mid_o must be contiguous in head_dim"
     out = torch.empty((bsz, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_stage1[(bsz, num_kv_heads, grid_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, kv_splits,
