@@ -1,8 +1,9 @@
 """`ModelRunner`: owns the model, the KV memory and the attention backend; runs one forward.
 
 It sizes the KV pool (from `max_total_tokens`, or a fraction of free memory), loads the weights,
-and turns a `ForwardBatch` into float32 logits for the rows the scheduler asked for. It does not
-decide what runs: that is the scheduler's job.
+and turns a `ForwardBatch` into float32 logits for the rows the scheduler asked for; decode
+steps replay captured CUDA graphs where `cuda_graph_runner` can. It does not decide what runs:
+that is the scheduler's job.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.attention.base import create_attention_backend
 from arborlm.runtime.config import EngineConfig
+from arborlm.runtime.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 
@@ -46,6 +48,7 @@ class ModelRunner:
         logger.info("KV pool: %d tokens (%d pages of %d), %s, backend %s",
                     self.allocator.total_size, self.allocator.num_pages - 1, self.page_size,
                     mc.dtype, config.attention_backend)
+        self.graph_runner: CudaGraphRunner | None = create_cuda_graph_runner(self)
 
     def _pool_slots(self) -> int:
         args, mc = self.config.args, self.config.model
@@ -69,6 +72,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[N, vocab]` float32 for `batch.logits_indices` (all rows if None)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)
