@@ -1,4 +1,4 @@
-"""GPU check of the attention backends, in one command (under 5 minutes on one H200).
+"""GPU check of the attention backends and CUDA graphs, in one command (minutes on one H200).
 
 1. Kernel tests on the GPU: `tests/runtime/attention` with `ARBORLM_TEST_DEVICE=cuda` and
    without `TRITON_INTERPRET` (Triton compiled for the GPU; FlashInfer cases when installed).
@@ -12,7 +12,13 @@
    torch_native does (see `greedy_equality`).
 4. Engine timings per backend on a ~0.7B-parameter random Llama in bfloat16: prefill tokens/s,
    batch-1 decode tokens/s, and for batch-1 decode the bytes read per token (weights + KV) per
-   second as a fraction of the peak memory bandwidth (`--peak-bw`, 4.8e12 for an H200).
+   second as a fraction of the peak memory bandwidth (`--peak-bw`, 4.8e12 for an H200). CUDA
+   graphs are at their default here: on for triton and flashinfer.
+5. CUDA graphs, for each backend that captures them (triton, flashinfer): the GPU tests of
+   `tests/runtime/test_cuda_graph.py` (replayed logits vs eager, float32 greedy on vs off);
+   greedy outputs with graphs on vs off on the tiny Llama (float32 identical; bfloat16 judged
+   like section 3, with graphs off as the half-precision baseline); and decode tokens/s with
+   graphs off vs on on the timing model at batch 1 and 16.
 
     python benchmarks/gpu_check.py [--peak-bw 4.8e12] [--skip-tests] [--skip-engine]
 
@@ -78,11 +84,13 @@ def available_backends() -> list[str]:
     return names
 
 
-def run_kernel_tests(timeout_s: int) -> tuple[bool, str]:
+GRAPH_BACKENDS = ("triton", "flashinfer")
+
+
+def run_kernel_tests(timeout_s: int, path: str = "tests/runtime/attention") -> tuple[bool, str]:
     env = dict(os.environ, ARBORLM_TEST_DEVICE="cuda")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/runtime/attention"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
@@ -99,15 +107,23 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
-def _engine(path: Path, backend: str, dtype: str):
+def _engine(path: Path, backend: str, dtype: str, graphs: bool | None = None):
+    """An engine; `graphs` True/False forces CUDA graphs on/off (None: the default), and True
+    raises when the engine fell back to eager decoding."""
     from arborlm import Engine
 
-    return Engine(str(path), attention_backend=backend, device="cuda", dtype=dtype,
-                  max_total_tokens=32768)
+    options = {} if graphs is None else {"disable_cuda_graph": not graphs}
+    engine = Engine(str(path), attention_backend=backend, device="cuda", dtype=dtype,
+                    max_total_tokens=32768, **options)
+    if graphs and engine.scheduler.runner.graph_runner is None:
+        engine.shutdown()
+        raise RuntimeError("CUDA graphs were not captured (see the log for why)")
+    return engine
 
 
-def _greedy_ids(path: Path, backend: str, dtype: str) -> list[list[int]]:
-    with _engine(path, backend, dtype) as engine:
+def _greedy_ids(path: Path, backend: str, dtype: str,
+                graphs: bool | None = None) -> list[list[int]]:
+    with _engine(path, backend, dtype, graphs) as engine:
         outs = engine.generate(GREEDY_PROMPTS, {"temperature": 0, "max_new_tokens": 32})
     _release()
     return [o["output_ids"] for o in outs]
@@ -258,6 +274,62 @@ def engine_timings(path: Path, backend: str, peak_bw: float) -> list[str]:
             f"= {bytes_per_step / t_decode / peak_bw:.1%} of peak BW"]
 
 
+def cuda_graph_timings(path: Path, backend: str) -> list[str]:
+    """Decode tokens/s with CUDA graphs off and on, at batch 1 and 16 (prompts of 256)."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(10, 500, (16, 256), generator=gen).tolist()
+    steps = 64
+    rates: dict[tuple[bool, int], float] = {}
+    for graphs in (False, True):
+        with _engine(path, backend, "bfloat16", graphs) as engine:
+            _timed_generate(engine, prompts[:2], 4)  # warm-up: compiles kernels
+            for bs in (1, 16):
+                t_first = min(_timed_generate(engine, prompts[:bs], 1) for _ in range(2))
+                t_all = min(_timed_generate(engine, prompts[:bs], steps) for _ in range(2))
+                rates[graphs, bs] = bs * (steps - 1) / max(t_all - t_first, 1e-9)
+        _release()
+    return [f"decode batch {bs:<2} (ctx 256..320): graphs off {rates[False, bs]:8.1f}, "
+            f"on {rates[True, bs]:8.1f} tokens/s ({rates[True, bs] / rates[False, bs]:.2f}x)"
+            for bs in (1, 16)]
+
+
+def _graph_greedy_checks(path: Path, backend: str, checks: list[Check]) -> None:
+    """Graphs on vs off: float32 identical; bfloat16 judged by `greedy_equality` with the
+    graphs-off bfloat16 outputs as the half-precision baseline."""
+    off = {dtype: guarded(checks, f"greedy {backend} graphs off ({dtype})",
+                          lambda: _greedy_ids(path, backend, dtype, False))  # noqa: B023
+           for dtype in ("float32", "bfloat16")}
+    if off["float32"] is None:
+        return
+    for dtype in ("float32", "bfloat16"):
+        name = f"greedy {backend} graphs on vs off ({dtype})"
+        got = guarded(checks, name, lambda: _greedy_ids(path, backend, dtype, True))  # noqa: B023
+        if got is None or (dtype == "bfloat16" and off[dtype] is None):
+            continue
+        baseline = None if dtype == "float32" else off[dtype]
+        ok, detail = greedy_equality(off["float32"], got, baseline)
+        checks.append((name, ok, detail))
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+def _cuda_graph_checks(tiny: Path, big: Path, backends: list[str], test_timeout: int,
+                       checks: list[Check]) -> None:
+    graph_backends = [b for b in backends if b in GRAPH_BACKENDS]
+    _section("CUDA graphs: tests/runtime/test_cuda_graph.py on the GPU")
+    ok, detail = run_kernel_tests(test_timeout, "tests/runtime/test_cuda_graph.py")
+    checks.append(("CUDA-graph tests", ok, detail))
+    print(f"{'ok  ' if ok else 'FAIL'} {detail}", flush=True)
+    _section("CUDA graphs: greedy on vs off (tiny Llama, 32 greedy tokens, 8 prompts)")
+    for backend in graph_backends:
+        _graph_greedy_checks(tiny, backend, checks)
+    _section("CUDA graphs: decode off vs on (random Llama, 16 layers, hidden 2048, bfloat16)")
+    for backend in graph_backends:
+        rows = guarded(checks, f"CUDA-graph timing {backend}",
+                       lambda: cuda_graph_timings(big, backend))  # noqa: B023
+        for row in rows or []:
+            print(f"{backend:>12}  {row}", flush=True)
+
+
 def _section(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
 
@@ -279,7 +351,8 @@ def _greedy_checks(path: Path, backends: list[str], checks: list[Check]) -> None
                 print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
 
 
-def _engine_checks(backends: list[str], peak_bw: float, checks: list[Check]) -> None:
+def _engine_checks(backends: list[str], peak_bw: float, test_timeout: int,
+                   checks: list[Check]) -> None:
     from arborlm.runtime.models.factory import build_model
 
     with tempfile.TemporaryDirectory(prefix="arborlm-gpu-check-") as tmp:
@@ -296,6 +369,7 @@ def _engine_checks(backends: list[str], peak_bw: float, checks: list[Check]) -> 
                            lambda: engine_timings(big, backend, peak_bw))  # noqa: B023
             for row in rows or []:
                 print(f"{backend:>12}  {row}", flush=True)
+        _cuda_graph_checks(tiny, big, backends, test_timeout, checks)
 
 
 def main() -> int:
@@ -329,7 +403,8 @@ def main() -> int:
         for row in rows or []:
             print(f"{backend:>12}  {row}", flush=True)
     if not args.skip_engine:
-        guarded(checks, "engine checks", lambda: _engine_checks(backends, args.peak_bw, checks))
+        guarded(checks, "engine checks",
+                lambda: _engine_checks(backends, args.peak_bw, args.test_timeout, checks))
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)}/{len(checks)} checks passed in "
           f"{time.perf_counter() - start:.0f} s")
