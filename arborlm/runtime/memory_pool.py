@@ -70,9 +70,9 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v `[T, num_kv_heads, head_dim]` into slots `loc` `[T]`."""
-        self.k_buffer[layer][loc] = k.to(self.dtype)
-        self.v_buffer[layer][loc] = v.to(self.dtype)
+        """Write k, v `[T, num_kv_heads, head_dim]` into slots `loc` `[T]` (distinct slots)."""
+        self.k_buffer[layer].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer[layer].index_copy_(0, loc, v.to(self.dtype))
 
 
 class PagedAllocator:

@@ -1,9 +1,19 @@
 """`torch_native` attention: plain PyTorch over the paged KV pool. The reference backend.
 
-Runs on CPU and GPU and is what CI uses. Extend attends request by request (prompts differ in
-length and prefix); decode gathers every request's K/V into one padded batch so a decode step
-costs a handful of tensor ops per layer, not one per request. Grouped-query heads are handled by
-viewing the query heads as `[num_kv_heads, group]` instead of repeating K/V.
+Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
+
+- Extend attends request by request with `scaled_dot_product_attention`. A request with no
+  cached prefix attends to its own new K/V straight from the projection (no read of the pool);
+  one on a prefix gathers its slots once per layer.
+- Decode gathers every request's keys into one padded batch, laid out KV-head-major
+  (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
+  attention is then two batched matmuls with exactly the model's FLOPs (each KV head's group of
+  query heads against its own keys) and a float32 softmax.
+- Cascade decode: when every request of a decode batch shares a cached prefix (the radix cache
+  gives them the same slots), that prefix's K/V is read once for the whole batch instead of once
+  per request, and its scores join each request's own scores in one softmax.
+
+Not here: sliding windows, custom masks, CUDA graphs (the gather is sized by host lengths).
 """
 
 from __future__ import annotations
@@ -11,93 +21,172 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from arborlm.runtime.attention.base import AttentionBackend, AttentionLayerSpec
 from arborlm.runtime.forward_batch import ForwardBatch
 
+# A decode batch shares its prefix through the cascade path when the shared part is at least
+# this many tokens (below it, the extra matmuls cost more than the duplicated reads save).
+CASCADE_MIN_PREFIX = 64
+
 
 @dataclass
 class _DecodeMeta:
-    slots: torch.Tensor  # [B, L] int64 KV slots, padded with slot 0
-    mask: torch.Tensor  # [B, 1, 1, L] additive mask: 0 for real keys, -inf for padding
+    index: torch.Tensor  # [Hkv * B * L] int64 rows of the pool viewed as [slots * Hkv, D]
+    mask: torch.Tensor  # [1, B, 1, L] float32: 0 for real keys, -inf for padding
+    width: int  # L: own (non-shared) keys per request, padded
+    prefix_index: torch.Tensor | None  # [Hkv * P] rows of the shared prefix (cascade), or None
+    prefix_len: int  # P
 
 
 @dataclass
 class _ExtendMeta:
-    slots: list[torch.Tensor]  # per request: [seq_len] KV slots
+    slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots, None without a prefix
     masks: list[torch.Tensor | None]  # per request: [ext, seq_len] bool (True = attend) or None
+
+
+def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Slots `[...]` -> rows `[Hkv * ...]` of a `[num_slots * Hkv, D]` view, head-major."""
+    heads = torch.arange(num_kv_heads, device=slots.device).view(-1, *([1] * slots.dim()))
+    return (slots.unsqueeze(0) * num_kv_heads + heads).flatten()
 
 
 class TorchNativeBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        table = batch.req_to_token_pool.req_to_token
         if batch.mode.is_decode:
-            max_len = max(batch.seq_lens_cpu)
-            rows = batch.req_pool_indices
-            slots = table[rows, :max_len]  # [B, L]
-            pos = torch.arange(max_len, device=slots.device)
-            valid = pos[None, :] < batch.seq_lens[:, None]  # [B, L]
-            slots = torch.where(valid, slots, torch.zeros_like(slots))
-            mask = torch.zeros(valid.shape, dtype=torch.float32, device=slots.device)
-            mask.masked_fill_(~valid, float("-inf"))
-            batch.attn_metadata = _DecodeMeta(slots=slots, mask=mask[:, None, None, :])
-            return
-        slots, masks = [], []
+            batch.attn_metadata = self._decode_metadata(batch)
+        else:
+            batch.attn_metadata = self._extend_metadata(batch)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        """As the base class, except that extend reads fresh prompts' K/V from `k`/`v`."""
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        if batch.mode.is_decode:
+            out = self.forward_decode(q, layer, batch)
+        else:
+            out = self._extend(q, k, v, layer, batch)
+        return out.reshape(-1, layer.num_heads * layer.head_dim)
+
+    # --- extend -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _extend_metadata(batch: ForwardBatch) -> _ExtendMeta:
+        table = batch.req_to_token_pool.req_to_token
+        slots: list[torch.Tensor | None] = []
+        masks: list[torch.Tensor | None] = []
         rows = batch.req_pool_indices.tolist()
         for row, prefix, ext in zip(rows, batch.extend_prefix_lens_cpu,
                                     batch.extend_seq_lens_cpu):
+            if prefix == 0:
+                slots.append(None)  # plain causal over its own new tokens
+                masks.append(None)
+                continue
             seq = prefix + ext
             slots.append(table[row, :seq])
-            if prefix == 0:
-                masks.append(None)  # plain causal
-            else:
-                q_pos = torch.arange(prefix, seq)[:, None]
-                k_pos = torch.arange(seq)[None, :]
-                masks.append(k_pos <= q_pos)  # [ext, seq]
-        batch.attn_metadata = _ExtendMeta(slots=slots, masks=masks)
+            q_pos = torch.arange(prefix, seq, device=table.device)[:, None]
+            masks.append(torch.arange(seq, device=table.device)[None, :] <= q_pos)  # [ext, seq]
+        return _ExtendMeta(slots=slots, masks=masks)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
+        """The interface's form: the new tokens' K/V are read back from the pool."""
+        k_buf = batch.kv_pool.k_buffer[layer.layer_id]
+        v_buf = batch.kv_pool.v_buffer[layer.layer_id]
+        loc = batch.out_cache_loc
+        return self._extend(q, k_buf[loc], v_buf[loc], layer, batch)
+
+    @staticmethod
+    def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q `[T, H, D]`, k/v `[T, Hkv, D]` of the new tokens -> `[T, H, D]`."""
         meta: _ExtendMeta = batch.attn_metadata
         k_buf = batch.kv_pool.k_buffer[layer.layer_id]
         v_buf = batch.kv_pool.v_buffer[layer.layer_id]
+        gqa = layer.num_heads != layer.num_kv_heads
         out = torch.empty_like(q)
         start = 0
         for ext, slots, mask in zip(batch.extend_seq_lens_cpu, meta.slots, meta.masks):
-            qi = q[start:start + ext].transpose(0, 1)  # [H, ext, D]
-            ki = k_buf[slots].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-            vi = v_buf[slots].transpose(0, 1).to(q.dtype)
-            oi = torch.nn.functional.scaled_dot_product_attention(
-                qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0),
-                attn_mask=None if mask is None else mask,
-                is_causal=mask is None, scale=layer.scaling,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
+            end = start + ext
+            if slots is None:
+                ki, vi = k[start:end], v[start:end]  # [ext, Hkv, D]
+            else:
+                ki, vi = k_buf[slots], v_buf[slots]  # [S, Hkv, D]
+            oi = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).unsqueeze(0),  # [1, H, ext, D]
+                ki.transpose(0, 1).unsqueeze(0).to(q.dtype),  # [1, Hkv, S, D]
+                vi.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa,
             )  # [1, H, ext, D]
-            out[start:start + ext] = oi[0].transpose(0, 1)
-            start += ext
+            out[start:end] = oi[0].transpose(0, 1)
+            start = end
         return out
+
+    # --- decode -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _decode_metadata(batch: ForwardBatch) -> _DecodeMeta:
+        hkv = batch.kv_pool.num_kv_heads
+        width = max(batch.seq_lens_cpu)
+        slots = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :width]  # [B, L]
+        pos = torch.arange(width, device=slots.device)
+        valid = pos[None, :] < batch.seq_lens[:, None]  # [B, L]
+        slots = slots * valid  # padding -> slot 0
+        prefix_len = 0
+        if batch.batch_size > 1 and min(batch.seq_lens_cpu) > CASCADE_MIN_PREFIX:
+            same = (slots == slots[:1]).all(dim=0)  # [L]; a request's own token never matches
+            prefix_len = int(same.cumprod(dim=0).sum())
+        prefix_index = None
+        if prefix_len >= CASCADE_MIN_PREFIX:
+            prefix_index = _head_rows(slots[0, :prefix_len], hkv)
+            slots, valid = slots[:, prefix_len:], valid[:, prefix_len:]
+        else:
+            prefix_len = 0
+        mask = torch.zeros(valid.shape, dtype=torch.float32, device=slots.device)
+        mask.masked_fill_(~valid, float("-inf"))
+        return _DecodeMeta(index=_head_rows(slots, hkv), mask=mask[None, :, None, :],
+                           width=width - prefix_len, prefix_index=prefix_index,
+                           prefix_len=prefix_len)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
         meta: _DecodeMeta = batch.attn_metadata
         bsz, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // hkv
-        pool = batch.kv_pool
-        k = pool.k_buffer[layer.layer_id][meta.slots].view(bsz, -1, hkv * d)  # [B, L, Hkv*D]
-        v = pool.v_buffer[layer.layer_id][meta.slots].view(bsz, -1, hkv * d)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        # Grouped-query attention as two plain batched matmuls over the gathered cache, with
-        # the queries laid out block-diagonally: query head (h, g) holds its vector in KV head
-        # h's block and zeros elsewhere. It spends Hkv× the (small) decode FLOPs but reads K and
-        # V once, contiguously, with no per-head copies.
-        qg = q.view(bsz, hkv, group, d)  # [B, Hkv, G, D]
-        qb = torch.zeros(bsz, hkv, group, hkv, d, dtype=q.dtype, device=q.device)
-        idx = torch.arange(hkv, device=q.device)
-        qb[:, idx, :, idx] = qg.transpose(0, 1)  # [Hkv, B, G, D] into the diagonal blocks
-        qb = qb.view(bsz, hkv * group, hkv * d)  # [B, H, Hkv*D]
-        scores = torch.bmm(qb, k.transpose(1, 2)).float()  # [B, H, L]
-        scores.mul_(layer.scaling).add_(meta.mask[:, 0])
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.bmm(probs, v).view(bsz, hkv, group, hkv, d)  # [B, Hkv, G, Hkv, D]
-        out = out[:, idx, :, idx]  # [Hkv, B, G, D]: each head's own block
-        return out.transpose(0, 1).reshape(bsz, layer.num_heads, d)
+        k_rows = batch.kv_pool.k_buffer[layer.layer_id].view(-1, d)  # [slots * Hkv, D]
+        v_rows = batch.kv_pool.v_buffer[layer.layer_id].view(-1, d)
+        k = k_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
+        v = v_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
+        qh = q.view(bsz, hkv, group, d).transpose(0, 1).reshape(hkv * bsz, group, d)
+        scores = torch.bmm(qh, k.transpose(1, 2)).float()  # [Hkv * B, G, L]
+        scores = scores.view(hkv, bsz, group, meta.width).mul_(layer.scaling).add_(meta.mask)
+        if meta.prefix_index is None:
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [Hkv, B, G, L]
+            out = torch.bmm(probs.view(hkv * bsz, group, meta.width), v)  # [Hkv * B, G, D]
+        else:
+            out = self._cascade(qh, scores, v, k_rows, v_rows, meta, layer)
+        return out.view(hkv, bsz, group, d).transpose(0, 1).reshape(bsz, layer.num_heads, d)
+
+    @staticmethod
+    def _cascade(qh: torch.Tensor, scores: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                 v_rows: torch.Tensor, meta: _DecodeMeta,
+                 layer: AttentionLayerSpec) -> torch.Tensor:
+        """Decode attention over (shared prefix, own keys): `[Hkv * B, G, D]`.
+
+        `scores` `[Hkv, B, G, L]` are the own keys' scaled, masked scores. The prefix's K/V is
+        read once; each KV head's queries of all requests attend to it in one matmul.
+        """
+        hkv, bsz, group, width = scores.shape
+        d, p = qh.shape[-1], meta.prefix_len
+        kp = k_rows.index_select(0, meta.prefix_index).view(hkv, p, d).to(qh.dtype)
+        vp = v_rows.index_select(0, meta.prefix_index).view(hkv, p, d).to(qh.dtype)
+        shared = torch.bmm(qh.view(hkv, bsz * group, d), kp.transpose(1, 2)).float()
+        shared = shared.mul_(layer.scaling).view(hkv, bsz, group, p)  # [Hkv, B, G, P]
+        probs = torch.softmax(torch.cat([shared, scores], dim=-1), dim=-1).to(qh.dtype)
+        out = torch.bmm(probs[..., :p].reshape(hkv, bsz * group, p), vp)  # [Hkv, B*G, D]
+        own = torch.bmm(probs[..., p:].reshape(hkv * bsz, group, width), v)  # [Hkv*B, G, D]
+        return own.add_(out.view(hkv * bsz, group, d))

@@ -1,0 +1,67 @@
+"""`torch_native` against a float64 attention computed from the definition.
+
+Extend steps with and without cached prefixes, decode steps over scattered slots, and decode
+batches whose requests share a cached prefix (same KV slots, as the radix cache hands them out),
+which take the cascade path: the prefix's K/V read once for the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arborlm.runtime.attention import torch_native
+from arborlm.runtime.attention.torch_native import TorchNativeBackend
+from tests.runtime.attention.batches import (
+    assert_close,
+    dense_reference,
+    make_case,
+    run_backend,
+)
+
+LAYOUTS = {"mha": (2, 2, 32), "gqa2": (4, 2, 64), "gqa4": (8, 2, 32), "mqa": (3, 1, 64)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+def test_matches_dense_reference(layout, dtype, decode):
+    heads, kv_heads, head_dim = LAYOUTS[layout]
+    if decode:
+        prefix, extend = [0, 5, 40, 17], [1, 1, 1, 1]
+    else:
+        prefix, extend = [0, 5, 40, 0], [7, 1, 9, 30]
+    case = make_case(prefix, extend, heads, kv_heads, head_dim, 1, dtype, decode=decode,
+                     seed=len(layout), fused_qkv=True)
+    assert_close(run_backend(TorchNativeBackend(), case), dense_reference(case).to(dtype), dtype)
+
+
+def _share_prefix(case, shared: int) -> None:
+    """Point the first `shared` positions of every request at request 0's slots."""
+    b = case.batch
+    table = b.req_to_token_pool.req_to_token
+    rows = b.req_pool_indices.tolist()
+    table[rows[1:], :shared] = table[rows[0], :shared]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("layout", ["gqa2", "mqa"])
+def test_cascade_decode_over_a_shared_prefix(layout, dtype, monkeypatch):
+    heads, kv_heads, head_dim = LAYOUTS[layout]
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    case = make_case([20, 31, 12, 25], [1] * 4, heads, kv_heads, head_dim, 1, dtype,
+                     decode=True, seed=3)
+    _share_prefix(case, 10)
+    backend = TorchNativeBackend()
+    out = run_backend(backend, case)
+    assert case.batch.attn_metadata.prefix_len == 10
+    assert_close(out, dense_reference(case).to(dtype), dtype)
+
+
+def test_no_cascade_below_the_threshold_or_alone():
+    case = make_case([20, 31], [1, 1], 4, 2, 64, 1, torch.float32, decode=True, seed=4)
+    _share_prefix(case, 10)
+    run_backend(TorchNativeBackend(), case)
+    assert case.batch.attn_metadata.prefix_index is None  # 10 < CASCADE_MIN_PREFIX
+    assert_close(run_backend(TorchNativeBackend(), case), dense_reference(case), torch.float32)
