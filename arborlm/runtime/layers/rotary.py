@@ -106,24 +106,25 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(params, head_dim)  # [D/2]
         pos = torch.arange(max_positions, dtype=torch.float32)  # [P]
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] float32
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)  # [P, D/2]
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)  # [P, D/2]
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        # Full-width tables: cos for both halves; sin negated for the first half, so that
+        # rotating is `x * cos + swap_halves(x) * sin`, three elementwise ops and a cat.
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)  # [P, D]
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)  # [P, D]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` `[T]`, each `[T, 1, D/2]` (broadcast over heads)."""
+        """cos, signed sin for `positions` `[T]`, each `[T, 1, D]` (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads `x` `[T, H, D]` by `cos`/`sin` `[T, 1, D/2]`; returns a new `[T, H, D]`.
+    """Rotate heads `x` `[T, H, D]` by `cos`/`sin` `[T, 1, D]` (from `lookup`); new `[T, H, D]`.
 
-    Same products and sums, in the same dtype, as `x * cos + rotate_half(x) * sin` in
-    `transformers`, so the result is identical in bfloat16 too.
+    `transformers` computes `x * cos + rotate_half(x) * sin` with `rotate_half(x) = [-x2, x1]`;
+    here the sign sits in the table (`(-x2) * s == x2 * (-s)` exactly) and the halves are
+    swapped by one cat, so every product and sum is the same, in the same dtype: the result is
+    identical in bfloat16 too.
     """
     half = x.shape[-1] // 2
-    x1 = x[..., :half]  # [T, H, D/2]
-    x2 = x[..., half:]
-    out = torch.empty_like(x)
-    torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
-    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
-    return out
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)  # [T, H, D]
+    return swapped.mul_(sin).add_(x * cos)

@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        cos, sin = self.rotary.lookup(batch.positions)  # [T, 1, D/2] each
+        cos, sin = self.rotary.lookup(batch.positions)  # [T, 1, D] each
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
