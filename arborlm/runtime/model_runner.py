@@ -8,6 +8,7 @@ that is the scheduler's job.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import psutil
@@ -24,6 +25,23 @@ logger = logging.getLogger(__name__)
 
 # Cap on the default pool size, so that a default CPU engine does not reserve tens of GB.
 DEFAULT_MAX_POOL_TOKENS = 262_144
+# glibc malloc serves blocks above its mmap threshold (128 KiB at first) with fresh mappings, so
+# each step's activations and KV gathers would page-fault their memory in anew, and free() trims
+# the heap back. Raising both limits keeps that memory in the process: on CPU a step's large
+# temporaries then cost what their arithmetic costs (a 10 MB gather: 4.4 ms -> 1.0 ms).
+_MALLOC_MMAP_THRESHOLD = 256 << 20
+_MALLOC_TRIM_THRESHOLD = 1 << 30
+
+
+def keep_cpu_allocations() -> bool:
+    """Make glibc keep freed large blocks for reuse (see above); False where it is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+        return bool(libc.mallopt(m_mmap_threshold, _MALLOC_MMAP_THRESHOLD)
+                    and libc.mallopt(m_trim_threshold, _MALLOC_TRIM_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
 
 
 class ModelRunner:
@@ -33,6 +51,8 @@ class ModelRunner:
         self.config = config
         args, mc = config.args, config.model
         self.device = args.device
+        if self.device == "cpu":
+            keep_cpu_allocations()
         torch.manual_seed(args.random_seed)
         self.model = load_model(mc, device=self.device)
         self.vocab_size = mc.vocab_size

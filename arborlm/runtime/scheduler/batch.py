@@ -77,5 +77,13 @@ class ScheduledBatch:
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=[] if self.mode.is_decode else list(self.prefix_lens),
             extend_seq_lens_cpu=[] if self.mode.is_decode else list(self.extend_lens),
-            logits_indices=self.logits_plan().to(device),
+            logits_indices=self._logits_indices(len(ids), device),
         )
+
+    def _logits_indices(self, num_tokens: int, device: str) -> torch.Tensor | None:
+        """`logits_plan()` for the forward; None when it keeps every row in order (decode)."""
+        plan = self.logits_plan()
+        if len(plan) == num_tokens and all(self.sample) and not any(
+                map(len, self.input_logprob_positions)):
+            return None  # one row per token, each sampled: the model skips the row selection
+        return plan.to(device)
