@@ -1,6 +1,7 @@
 """ArborLM's HTTP server: SGLang's native API and an OpenAI-compatible API over one engine.
 
-- `cli`: `arborlm serve` / `python -m arborlm.server` (flags from `ServerArgs` + `EngineArgs`).
+- `cli`: `arborlm serve` / `python -m arborlm.server` (flags from `ServerArgs` + `EngineArgs`);
+  `uvicorn_server` runs the app (ready line, drained SIGTERM exits 0).
 - `app.create_app(client, server_args, engine_args)`: the FastAPI app; `native` (/generate and
   the control routes) and `openai_api` (/v1/...) are its routers; `protocol` /
   `openai_protocol` the pydantic request models; `generation` runs requests on the engine

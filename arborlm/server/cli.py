@@ -11,12 +11,10 @@ module is cheap: FastAPI, uvicorn and the engine load inside `serve_main`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
 import signal
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from arborlm.server.server_args import ENGINE_MODES, LOG_LEVELS, ServerArgs
@@ -107,51 +105,17 @@ def _serve(client: Any, server_args: ServerArgs, engine_args: Any) -> int:
     import uvicorn
 
     from arborlm.server.app import create_app
+    from arborlm.server.uvicorn_server import ArborServer
 
     app = create_app(client, server_args, engine_args)
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, log_config=None,
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
         timeout_graceful_shutdown=server_args.drain_timeout, lifespan="on")
-    server = _Server(config, ready_note=f"model {client.config.model.path}, "
-                                       f"engine {server_args.engine_mode}")
+    server = ArborServer(config, ready_note=f"model {client.config.model.path}, "
+                                            f"engine {server_args.engine_mode}")
     server.run()
     return 0 if server.started else 1
-
-
-def _uvicorn_server() -> type:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, plus the ready line and a clean exit after a drained SIGTERM."""
-
-        def __init__(self, config: Any, ready_note: str):
-            super().__init__(config)
-            self.ready_note = ready_note
-
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.should_exit or not self.servers:
-                return
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            logger.info("ArborLM server ready at http://%s:%d (%s)", host, port,
-                        self.ready_note)
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would
-            # end the process with the signal's status; the drain is done, so exit normally.
-            with super().capture_signals():
-                try:
-                    yield
-                finally:
-                    self._captured_signals.clear()
-
-    return Server
-
-
-def _Server(config: Any, ready_note: str) -> Any:  # noqa: N802 - builds the class lazily
-    return _uvicorn_server()(config, ready_note)
 
 
 def main() -> None:
