@@ -16,6 +16,9 @@ from arborlm.errors import InvalidRequestError
 GREEDY_TEMPERATURE = 1e-6
 MAX_STOP_STRINGS = 64
 MAX_N = 64
+# The grammar engines a request may pick (`arborlm.constrained.GRAMMAR_BACKENDS`, repeated here
+# so that validating a request does not import the grammar package and torch).
+GRAMMAR_BACKENDS = ("xgrammar", "outlines")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     choices: list[str] | None = None
+    grammar_backend: str | None = None  # None: the engine's --grammar-backend
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -154,6 +158,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"at most one of json_schema / regex / ebnf / structural_tag / choices may be "
                 f"set, got {', '.join(grammars)}", param=grammars[1])
+        if self.grammar_backend is not None and self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise bad("grammar_backend", f"one of {', '.join(GRAMMAR_BACKENDS)}")
         if vocab_size is not None:
             for t in ids:
                 if t >= vocab_size:
