@@ -1,7 +1,8 @@
 """`InProcessClient`: the scheduler in a background thread of the caller's process.
 
-Callers (any thread, any event loop) tokenize and validate in their own thread, then hand the
-requests to the scheduler thread through a command queue. The scheduler thread steps while it
+Callers (any thread, any event loop) tokenize and validate in their own thread (and await their
+grammars' compiles, so a bad grammar raises `GrammarError` like other invalid input), then hand
+the requests to the scheduler thread through a command queue. The scheduler thread steps while it
 has work and blocks on the queue when idle; each step's reports go to per-request
 `ResponseBuilder`s and from there, as events, to the waiting caller's asyncio queue
 (`call_soon_threadsafe`). Torch releases the GIL inside its kernels, so callers stay responsive
@@ -82,6 +83,7 @@ class InProcessClient(EngineClient):
     async def generate(self, req: GenerateRequest) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         self._check_alive()
         prepared = self.prepare(req)
+        await self._compile_grammars(prepared)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sinks = [_Sink(i, ResponseBuilder(s, self.tokenizer, ids), s.stream, loop, events)
@@ -101,6 +103,15 @@ class InProcessClient(EngineClient):
             if pending:
                 rids = [s.builder.req.rid for s in sinks if not s.builder.finished]
                 self._call(lambda: [self.scheduler.abort(r) for r in rids])
+
+    async def _compile_grammars(self, prepared: list[tuple[SingleRequest, list[int]]]) -> None:
+        """Wait for the sequences' grammars to compile, off the scheduler thread, so that a bad
+        one raises `GrammarError` (a 400) before anything is queued, as other invalid input
+        does; the scheduler then finds them in the compile cache."""
+        futures = [self.scheduler.grammars.compile(s.sampling_params) for s, _ in prepared]
+        for future in futures:
+            if future is not None:
+                await asyncio.wrap_future(future)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         self._call(lambda: self.scheduler.abort(rid, abort_all))

@@ -3,7 +3,9 @@
 For each request of the batch: record input logprobs for the prompt positions it asked for,
 sample its next token (penalties, bias, bans, grammar mask, then the sampler), record output
 logprobs, append the token and decide whether the request is finished (stop token, stop string,
-stop regex, length, context limit, grammar end).
+stop regex, length, context limit, grammar end). For a request with a grammar, then append the
+tokens the grammar forces next (jump-forward), each checked like a sampled one. Grammar state
+is `grammar_hook`'s (the scheduler's `GrammarManager`); this module only calls it.
 """
 
 from __future__ import annotations
@@ -90,34 +92,72 @@ class ResultProcessor:
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
         sb = SamplingBatch.build(reqs, self.vocab_size, self.eos_ids)
         logits = process_logits(logits, sb)
-        if self.grammar_hook is not None:
-            self.grammar_hook.apply_mask(reqs, logits)
+        grammar = self.grammar_hook
+        if grammar is not None:
+            grammar.apply_mask(reqs, logits)
         out = sample(logits, sb)
         ids = out.next_ids.tolist()
-        if out.logprobs is not None:
-            self._output_logprobs(reqs, out.logprobs, out.next_ids)
+        chosen = chosen_logprobs(out.logprobs, out.next_ids) if out.logprobs is not None else None
         now = time.monotonic()
-        for req, tok in zip(reqs, ids):
+        for i, (req, tok) in enumerate(zip(reqs, ids)):
             if req.first_token_time is None:
                 req.first_token_time = now
+            if req.grammar is not None and not grammar.accept(req, tok):
+                continue  # bans left nothing the grammar allows; `accept` finished the request
             req.output_ids.append(tok)
-            if self.grammar_hook is not None and req.grammar is not None:
-                self.grammar_hook.accept(req, tok)
+            if req.return_logprob:
+                self._output_logprobs(req, chosen[i], tok, out.logprobs[i:i + 1])
             self._check_finished(req, tok)
+            if req.grammar is not None and not req.finished:
+                self._jump_forward(req)
 
-    def _output_logprobs(self, reqs: list[Req], logprobs: torch.Tensor,
-                         next_ids: torch.Tensor) -> None:
-        chosen = chosen_logprobs(logprobs, next_ids)
-        for i, req in enumerate(reqs):
-            if not req.return_logprob:
-                continue
-            req.output_token_logprobs.append((chosen[i], int(next_ids[i])))
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(top_logprobs(logprobs[i:i + 1],
-                                                            req.top_logprobs_num)[0])
-            if req.token_ids_logprob:
-                req.output_token_ids_logprobs.append(
-                    ids_logprobs(logprobs[i:i + 1], req.token_ids_logprob)[0])
+    def _output_logprobs(self, req: Req, chosen: float, tok: int,
+                         logprobs: torch.Tensor) -> None:
+        """Logprob entries of the sampled `tok`; `logprobs` [1, V] is its row."""
+        req.output_token_logprobs.append((chosen, tok))
+        if req.top_logprobs_num:
+            req.output_top_logprobs.append(top_logprobs(logprobs, req.top_logprobs_num)[0])
+        if req.token_ids_logprob:
+            req.output_token_ids_logprobs.append(ids_logprobs(logprobs, req.token_ids_logprob)[0])
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the tokens `req`'s grammar forces next, as if each had been sampled.
+
+        Each is the only token its mask leaves, so any sampler picks it with logprob 0.0 (its
+        top logprobs are itself alone; every other id is -inf). Stops where a token would
+        finish the request, or where it would be banned (a stop token before
+        `min_new_tokens`): decoding then samples at that point as usual. Their KV is computed
+        by the request's next forward step.
+        """
+        p = req.sampling_params
+        limit = min(p.max_new_tokens - len(req.output_ids), self.context_length - req.total_len)
+        for tok in self.grammar_hook.jump_forward(req, limit):
+            if self._banned(req, tok):
+                return
+            self.grammar_hook.accept(req, tok)
+            req.output_ids.append(tok)
+            req.jump_forward_steps += 1
+            if req.return_logprob:
+                self._forced_logprobs(req, tok)
+            self._check_finished(req, tok)
+            if req.finished:
+                return
+
+    def _banned(self, req: Req, tok: int) -> bool:
+        """Whether sampling would ban `tok` now (as `SamplingBatch` does before min tokens)."""
+        p = req.sampling_params
+        if len(req.output_ids) >= p.min_new_tokens:
+            return False
+        return tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)
+
+    @staticmethod
+    def _forced_logprobs(req: Req, tok: int) -> None:
+        req.output_token_logprobs.append((0.0, tok))
+        if req.top_logprobs_num:
+            req.output_top_logprobs.append([(0.0, tok)])
+        if req.token_ids_logprob:
+            req.output_token_ids_logprobs.append(
+                [(0.0 if t == tok else float("-inf"), t) for t in req.token_ids_logprob])
 
     def _check_finished(self, req: Req, tok: int) -> None:
         p = req.sampling_params

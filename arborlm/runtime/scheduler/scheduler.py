@@ -1,10 +1,14 @@
 """The scheduler: continuous batching over one model runner.
 
-One `step()` is: release finished requests → schedule the next batch (a prefill batch of newly
-admitted requests and the ongoing chunked prompt, else one decode step of every running request,
-retracting the newest ones when the KV pool runs dry) → forward → sample → process results.
-The same class runs in-process (`Engine`) and inside the scheduler process; it knows nothing of
-sockets, HTTP or text beyond the stop-string checks.
+One `step()` is: release finished requests (and those whose grammar failed to compile) →
+schedule the next batch (a prefill batch of newly admitted requests and the ongoing chunked
+prompt, else one decode step of every running request, retracting the newest ones when the KV
+pool runs dry) → forward → sample → process results. A decode step whose requests carry tokens a
+grammar forced (jump-forward) runs as an extend of each request's uncomputed tokens instead.
+Grammar work lives in `GrammarManager`; requests waiting for their grammar's compile stay in
+the waiting queue but are not admitted until it is ready. The same class runs in-process
+(`Engine`) and inside the scheduler process; it knows nothing of sockets, HTTP or text beyond
+the stop-string checks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from arborlm.runtime.model_runner import ModelRunner
 from arborlm.runtime.request import FinishReason, Req
 from arborlm.runtime.scheduler.admission import PrefillBudget, reserved_tokens
 from arborlm.runtime.scheduler.batch import ScheduledBatch
+from arborlm.runtime.scheduler.grammar_manager import GrammarManager
 from arborlm.runtime.scheduler.in_batch_prefix import InBatchPrefixFilter, NoInBatchFilter
 from arborlm.runtime.scheduler.outputs import ReqOutput, make_output
 from arborlm.runtime.scheduler.policy import WaitingQueue
@@ -34,6 +39,8 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 # Running requests make their KV findable by others every this many decode steps.
 CACHE_RUNNING_EVERY = 32
+# With nothing to run but grammars compiling, a step sleeps on the compiles this long at most.
+GRAMMAR_WAIT_S = 0.005
 
 
 class Scheduler:
@@ -53,10 +60,14 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.results = ResultProcessor(config, tokenizer, self.runner.vocab_size)
+        self.grammars = GrammarManager(self.args, tokenizer, self.runner.vocab_size,
+                                       self.results.eos_ids)
+        self.results.grammar_hook = self.grammars
         self._outputs: list[ReqOutput] = []
         self.decode_steps = 0
         self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "retractions": 0,
-                      "decode_steps": 0, "prefill_steps": 0}
+                      "decode_steps": 0, "prefill_steps": 0, "jump_forward_steps": 0}
+        self._decoding = False  # the scheduled batch is a decode step (see `_schedule`)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -67,6 +78,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         """Queue a validated request (see `arborlm.runtime.validation`)."""
         self.results.attach(req)
+        self.grammars.submit(req)
         self.waiting.add(req)
 
     def abort(self, rid: str | None, abort_all: bool = False) -> None:
@@ -75,7 +87,7 @@ class Scheduler:
             if abort_all or req.rid == rid:
                 req.finished_reason = FinishReason.abort("aborted", 499)
                 self.waiting.remove([req])
-                self._emit(req)
+                self._finish(req)
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
             if (abort_all or req.rid == rid) and not req.finished:
                 req.finished_reason = FinishReason.abort("aborted", 499)
@@ -94,25 +106,29 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """Run one scheduling step; returns the reports produced by it."""
         self._release_finished()
+        self._fail_grammar_errors()
         batch = self._schedule()
         if batch is not None:
             fb = batch.to_forward_batch(self.req_pool, self.runner.kv_pool,
                                         self._out_cache_loc, self.runner.device)
             logits = self.runner.forward(fb)
             self._process(batch, logits)
+        elif self.grammars.has_pending:
+            self.grammars.wait(GRAMMAR_WAIT_S)
         outputs, self._outputs = self._outputs, []
         return outputs
 
     def _schedule(self) -> ScheduledBatch | None:
         batch = self._schedule_prefill()
-        if batch is None and self.running:
+        self._decoding = batch is None and bool(self.running)
+        if self._decoding:
             batch = self._schedule_decode()
         self.waiting.tick()
         return batch
 
     def _process(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
         self.results.process(batch, logits, self.runner.kv_pool)
-        if batch.mode.is_decode:
+        if self._decoding:
             self.stats["decode_steps"] += 1
             self._after_decode(batch)
         else:
@@ -145,6 +161,8 @@ class Scheduler:
                 slots.append(self._add_to_batch(batch, req, req.computed_len, adm))
         self.in_batch.start_batch()
         for req in self.waiting.ordered():
+            if self.grammars.is_pending(req):
+                continue  # its grammar is compiling; the requests behind it go ahead
             evictable = self.cache.evictable_size()
             self._match_and_lock(req)
             if batch.reqs and self.in_batch.should_defer(req):
@@ -236,23 +254,27 @@ class Scheduler:
     # --- decode -------------------------------------------------------------------------------
 
     def _schedule_decode(self) -> ScheduledBatch | None:
+        """One step of every running request: its newest token, plus any tokens a grammar
+        forced after it (jump-forward), which makes the step an extend of those lengths."""
         self._retract_until_fits()
         if not self.running:
             return None
         reqs = list(self.running)
-        slots = [self._alloc(r, r.computed_len, r.computed_len + 1) for r in reqs]
+        slots = [self._alloc(r, r.computed_len, r.total_len) for r in reqs]
         for r, s in zip(reqs, slots):
             self.req_pool.write(r.req_pool_idx, r.computed_len, s)
         self._out_cache_loc = torch.cat(slots)
         prefix = [r.computed_len for r in reqs]
+        extend = [r.total_len - r.computed_len for r in reqs]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return ScheduledBatch(ForwardMode.DECODE, reqs, prefix, [1] * len(reqs),
-                              [True] * len(reqs))
+        mode = ForwardMode.DECODE if max(extend) == 1 else ForwardMode.EXTEND
+        return ScheduledBatch(mode, reqs, prefix, extend, [True] * len(reqs),
+                              [range(0)] * len(reqs))
 
     def _retract_until_fits(self) -> None:
         def need() -> int:
-            return sum(self.allocator.pages_needed(r.computed_len, r.computed_len + 1)
+            return sum(self.allocator.pages_needed(r.computed_len, r.total_len)
                        for r in self.running) * self.page_size
 
         while self.running and need() > (self.allocator.available_size()
@@ -283,8 +305,8 @@ class Scheduler:
     def _after_decode(self, batch: ScheduledBatch) -> None:
         self.decode_steps += 1
         share = self.decode_steps % CACHE_RUNNING_EVERY == 0
-        for req in batch.reqs:
-            req.computed_len += 1
+        for req, ext in zip(batch.reqs, batch.extend_lens):
+            req.computed_len += ext
             if req.finished:
                 self.running.remove(req)
                 self._finish(req)
@@ -305,12 +327,22 @@ class Scheduler:
             req, self.chunked_req = self.chunked_req, None
             self._finish(req)
 
+    def _fail_grammar_errors(self) -> None:
+        """Finish, each alone, the waiting requests whose grammar failed to compile."""
+        failed = self.grammars.poll()
+        if failed:
+            self.waiting.remove(failed)
+            for req in failed:
+                self._finish(req)
+
     def _finish(self, req: Req) -> None:
         if req.req_pool_idx is not None:
             self.cache.cache_finished_req(req)
             self.req_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         self.results.detach(req)
+        self.grammars.release(req)
+        self.stats["jump_forward_steps"] += req.jump_forward_steps
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
@@ -349,5 +381,6 @@ class Scheduler:
             "available_kv_tokens": self.allocator.available_size(),
             "cached_kv_tokens": self.cache.total_size(),
             **self.stats,
+            **self.grammars.info(),
             "time": time.time(),
         }

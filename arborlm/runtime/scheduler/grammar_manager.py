@@ -1,0 +1,173 @@
+"""`GrammarManager`: grammar-constrained decoding as the scheduler drives it.
+
+The scheduler owns one and calls it at fixed points of a request's life; a request without a
+grammar costs it one emptiness check per step. For a request with a grammar (`sampling_params.
+grammar` is (kind, spec)):
+
+1. `submit(req)` on arrival sends the compile to `GrammarCompiler`'s thread pool (cached by
+   (backend, kind, spec)). The request stays in the waiting queue and admission skips it while
+   `is_pending(req)`, so the requests behind it go ahead; nothing blocks on a compile.
+2. `poll()` at the start of each step gives each request whose compile has finished its own
+   matcher (`req.grammar`), and returns those whose compile failed (invalid or unsupported
+   spec, time limit), each marked finished with an abort, status 400 and the compiler's message,
+   for the scheduler to finish alone. When nothing can run but compiles are pending, `wait()`
+   sleeps on them for a few milliseconds instead of spinning.
+3. Sampling (this object is `ResultProcessor.grammar_hook`): `apply_mask(reqs, logits)` fills one
+   packed int32 bitmask for the batch, only the rows with a grammar, and sets the logits of
+   disallowed tokens to -inf before sampling, so the logprobs reflect the constraint (other rows
+   are untouched). `accept(req, token)` advances the matcher; `is_terminated(req)` means the
+   request finishes with `stop`.
+4. Jump-forward: `jump_forward(req, limit)` lists the tokens the grammar forces next. The result
+   processor appends them (logprob 0.0: each is the only token the mask leaves), and the
+   scheduler computes their KV in the next step, an extend of 1 + len(forced) tokens for that
+   request, instead of one decode step per token. Every forced token is the only legal one, so
+   outputs are those of decoding token by token, greedy or sampled.
+5. `release(req)` on finish or abort drops the matcher, or cancels the pending compile.
+   Retraction keeps the matcher: the output tokens are kept, and it has accepted exactly them.
+
+Parallel samples (`n > 1`) are separate requests: they share the compiled grammar and each gets
+a fresh matcher. This module neither compiles (see `arborlm.constrained`) nor decides about
+length, stop tokens or stop strings (`results.py`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+
+from arborlm.constrained.base import MAX_JUMP_FORWARD_TOKENS
+from arborlm.constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_
+from arborlm.constrained.compile_cache import GrammarCompiler
+from arborlm.runtime.config import EngineArgs
+from arborlm.runtime.request import FinishReason, Req
+from arborlm.runtime.sampling_params import SamplingParams
+
+
+class GrammarManager:
+    def __init__(self, args: EngineArgs, tokenizer: Any, vocab_size: int,
+                 stop_token_ids: tuple[int, ...]):
+        self.compiler = GrammarCompiler.for_tokenizer(
+            tokenizer, vocab_size, list(stop_token_ids), args.grammar_backend,
+            any_whitespace=args.grammar_any_whitespace,
+            compile_timeout_s=args.grammar_compile_timeout)
+        self.vocab_size = vocab_size
+        # May be switched between steps (benchmarks compare both ways on one engine).
+        self.jump_forward_enabled = not args.disable_jump_forward
+        self._pending: dict[Req, Future] = {}
+        self._active = 0  # requests holding a matcher
+        self._bitmask = allocate_token_bitmask(1, vocab_size)  # [rows, W], grown on demand
+
+    # --- compiling ----------------------------------------------------------------------------
+
+    def compile(self, params: SamplingParams) -> Future | None:
+        """The compile of `params`' grammar (None without one). Thread-safe: a client may call
+        it to reject a bad grammar before queuing; the scheduler then finds it cached."""
+        grammar = params.grammar
+        if grammar is None:
+            return None
+        kind, spec = grammar
+        return self.compiler.submit(kind, spec, params.grammar_backend)
+
+    def submit(self, req: Req) -> None:
+        future = self.compile(req.sampling_params)
+        if future is not None:
+            self._pending[req] = future
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def num_active(self) -> int:
+        """Requests that hold a matcher now."""
+        return self._active
+
+    def is_pending(self, req: Req) -> bool:
+        """True while `req`'s grammar is compiling (admission skips it)."""
+        return bool(self._pending) and req in self._pending
+
+    def poll(self) -> list[Req]:
+        """Hand out the matchers of finished compiles; return the requests whose compile failed
+        (already marked finished: abort, 400, the reason)."""
+        if not self._pending:
+            return []
+        failed = []
+        for req, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[req]
+            error = future.exception()
+            if error is None:
+                req.grammar = future.result().matcher()
+                self._active += 1
+            else:
+                req.finished_reason = FinishReason.abort(str(error), 400)
+                failed.append(req)
+        return failed
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a pending compile finishes or `timeout` seconds pass."""
+        if self._pending:
+            wait_futures(list(self._pending.values()), timeout, return_when=FIRST_COMPLETED)
+
+    def release(self, req: Req) -> None:
+        """`req` finished or was aborted: drop its matcher or its pending compile."""
+        future = self._pending.pop(req, None) if self._pending else None
+        if future is not None:
+            future.cancel()
+        if req.grammar is not None:
+            req.grammar = None
+            self._active -= 1
+
+    # --- the decode loop (ResultProcessor.grammar_hook) ----------------------------------------
+
+    def apply_mask(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Mask `logits` [len(reqs), V] in place for the rows whose request has a grammar."""
+        if not self._active:
+            return
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return
+        if self._bitmask.shape[0] < len(reqs):
+            self._bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
+        mask = self._bitmask[:len(reqs)]  # [B, W]; rows without a grammar are not read
+        for i in rows:
+            reqs[i].grammar.fill_bitmask(mask, i)
+        apply_token_bitmask_(logits, mask, rows)
+
+    def accept(self, req: Req, token: int) -> bool:
+        """Advance `req`'s matcher on `token`.
+
+        The mask makes every sampled token acceptable unless bans applied before it left no
+        token the grammar allows (stop tokens banned until `min_new_tokens`, or user stop token
+        ids that the grammar needs). Then the token is rejected and `req` finishes: with `stop`
+        when the grammar is complete (the grammar's end wins over `min_new_tokens`), else with
+        a 400 that names the conflict. Returns whether the token was accepted.
+        """
+        if req.grammar.accept_token(token):
+            return True
+        if req.grammar.is_completed():
+            req.finished_reason = FinishReason("stop", matched=None)
+        else:
+            req.finished_reason = FinishReason.abort(
+                "min_new_tokens bans stop_token_ids that the grammar requires next; no token "
+                "is left to generate", 400)
+        return False
+
+    def is_terminated(self, req: Req) -> bool:
+        return req.grammar.is_terminated()
+
+    def jump_forward(self, req: Req, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (matcher unchanged); [] when disabled."""
+        if not self.jump_forward_enabled or limit <= 0:
+            return []
+        return req.grammar.find_jump_forward_tokens(min(limit, MAX_JUMP_FORWARD_TOKENS))
+
+    def info(self) -> dict[str, Any]:
+        stats = self.compiler.stats
+        return {"grammar_compiling": len(self._pending), "grammar_active": self._active,
+                "grammar_cache_hits": stats.hits, "grammar_cache_misses": stats.misses,
+                "grammar_errors": stats.errors, "grammar_timeouts": stats.timeouts}
