@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from arborlm.constrained.base import GRAMMAR_BACKENDS
 from arborlm.errors import InvalidRequestError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -43,8 +42,9 @@ class EngineArgs:
         default=None)
     tokenizer_path: str | None = _doc("Tokenizer directory; default: the model directory.",
                                       default=None)
-    dtype: str = _doc("Weight and activation dtype: auto (the checkpoint's), float32, bfloat16, "
-                      "float16.", default="auto")
+    dtype: str = _doc("Weight and activation dtype: auto (bfloat16 on a CPU with native "
+                      "bfloat16 arithmetic, AVX512-BF16 or AMX; else the checkpoint's), float32, "
+                      "bfloat16, float16.", default="auto")
     device: str = _doc("Device: cpu or cuda.", default="cpu")
     max_total_tokens: int | None = _doc(
         "KV cache capacity in tokens; default: from mem_fraction of available memory.",
@@ -71,18 +71,7 @@ class EngineArgs:
         "captured size (1, 2, 4, 8, then multiples of 8) and larger ones run eagerly.",
         default=32)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
-    grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
-                                "xgrammar or outlines (a request may pick its own).",
-                                default="xgrammar")
-    grammar_any_whitespace: bool = _doc(
-        "Let constrained JSON use any whitespace between elements (each gap still at most 24 "
-        "characters, so output cannot run away); default: fixed separators.", default=False)
-    grammar_compile_timeout: float = _doc(
-        "Seconds a grammar may take to compile before its request fails with a 400.",
-        default=30.0)
-    disable_jump_forward: bool = _doc(
-        "Decode tokens a grammar forces one step each instead of appending them at once.",
-        default=False)
+    grammar_backend: str = _doc("Grammar engine: xgrammar or outlines.", default="xgrammar")
     debug_integrity: bool = _doc("Check KV-pool and cache invariants whenever the engine idles.",
                                  default=False)
 
@@ -90,7 +79,10 @@ class EngineArgs:
         from arborlm.runtime.models.factory import default_model_path
 
         model_path = self.model_path or str(default_model_path())
-        model = ModelConfig.from_path(model_path, self.dtype, self.context_length)
+        dtype = self.dtype
+        if dtype == "auto" and self.device == "cpu" and cpu_has_native_bf16():
+            dtype = "bfloat16"
+        model = ModelConfig.from_path(model_path, dtype, self.context_length)
         backend = self.attention_backend
         if backend == "auto":
             backend = _auto_attention_backend(self.device)
@@ -105,19 +97,26 @@ class EngineArgs:
             raise InvalidRequestError("page_size must be >= 1", "page_size")
         if self.cuda_graph_max_bs < 1:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
-        if self.grammar_backend not in GRAMMAR_BACKENDS:
-            raise InvalidRequestError(f"grammar_backend must be one of "
-                                      f"{', '.join(GRAMMAR_BACKENDS)}, got "
-                                      f"{self.grammar_backend!r}", "grammar_backend")
-        if not self.grammar_compile_timeout > 0:
-            raise InvalidRequestError("grammar_compile_timeout must be > 0 seconds",
-                                      "grammar_compile_timeout")
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < self.page_size:
             raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
                                       "chunked_prefill_size")
         return EngineConfig(args=self, model=model, attention_backend=backend,
                             tokenizer_path=self.tokenizer_path or model_path)
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX-BF16), which makes
+    bfloat16 matmuls about twice as fast as float32 and halves the weight and KV traffic."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def _auto_attention_backend(device: str) -> str:

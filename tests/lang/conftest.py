@@ -27,7 +27,9 @@ def tiny_path(make_tiny_model: Any) -> Path:
 def engine_backend(tiny_path: Path) -> Iterator[Any]:
     from arborlm.lang.backends.engine_backend import EngineBackend
 
-    backend = EngineBackend(model_path=str(tiny_path))
+    # float32: the tests compare batched greedy text with each prompt run alone, and only
+    # float32 keeps that exact (dtype auto is bfloat16 on CPUs with native bfloat16).
+    backend = EngineBackend(model_path=str(tiny_path), dtype="float32")
     yield backend
     backend.shutdown()
 
@@ -38,7 +40,7 @@ def server(tiny_path: Path) -> Iterator[Any]:
         pytest.skip("this checkout has no HTTP server (arborlm/server/__main__.py)")
     from tests.server.server_process import running_server
 
-    with running_server(tiny_path) as proc:
+    with running_server(tiny_path, "--dtype", "float32") as proc:
         yield proc
 
 

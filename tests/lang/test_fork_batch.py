@@ -129,7 +129,8 @@ def test_without_a_prefix_cache_warmups_are_skipped_and_results_unchanged(tiny_p
                                                                            engine_backend):
     from arborlm.lang.backends.engine_backend import EngineBackend
 
-    with EngineBackend(model_path=str(tiny_path), disable_radix_cache=True) as no_cache:
+    with EngineBackend(model_path=str(tiny_path), disable_radix_cache=True,
+                       dtype="float32") as no_cache:  # as engine_backend, for equal text
         assert not no_cache.prefix_cache_enabled and engine_backend.prefix_cache_enabled
         before = no_cache.get_server_info()["prefill_tokens"]
 
