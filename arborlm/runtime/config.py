@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from arborlm.constrained.base import GRAMMAR_BACKENDS
 from arborlm.errors import InvalidRequestError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -71,7 +72,18 @@ class EngineArgs:
         "captured size (1, 2, 4, 8, then multiples of 8) and larger ones run eagerly.",
         default=32)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
-    grammar_backend: str = _doc("Grammar engine: xgrammar or outlines.", default="xgrammar")
+    grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
+                                "xgrammar or outlines (a request may pick its own).",
+                                default="xgrammar")
+    grammar_any_whitespace: bool = _doc(
+        "Let constrained JSON use any whitespace between elements (each gap still at most 24 "
+        "characters, so output cannot run away); default: fixed separators.", default=False)
+    grammar_compile_timeout: float = _doc(
+        "Seconds a grammar may take to compile before its request fails with a 400.",
+        default=30.0)
+    disable_jump_forward: bool = _doc(
+        "Decode tokens a grammar forces one step each instead of appending them at once.",
+        default=False)
     debug_integrity: bool = _doc("Check KV-pool and cache invariants whenever the engine idles.",
                                  default=False)
 
@@ -97,6 +109,13 @@ class EngineArgs:
             raise InvalidRequestError("page_size must be >= 1", "page_size")
         if self.cuda_graph_max_bs < 1:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise InvalidRequestError(f"grammar_backend must be one of "
+                                      f"{', '.join(GRAMMAR_BACKENDS)}, got "
+                                      f"{self.grammar_backend!r}", "grammar_backend")
+        if not self.grammar_compile_timeout > 0:
+            raise InvalidRequestError("grammar_compile_timeout must be > 0 seconds",
+                                      "grammar_compile_timeout")
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < self.page_size:
             raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
