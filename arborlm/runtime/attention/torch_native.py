@@ -8,7 +8,8 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
   attention is then two batched matmuls with exactly the model's FLOPs (each KV head's group of
-  query heads against its own keys) and a float32 softmax.
+  query heads against its own keys) and a float32 softmax; a batch of one, with no padding,
+  runs `scaled_dot_product_attention` instead (fewer kernels per layer).
 - Cascade decode: when every request of a decode batch shares a cached prefix (the radix cache
   gives them the same slots), that prefix's K/V is read once for the whole batch instead of once
   per request, and its scores join each request's own scores in one softmax.
@@ -161,6 +162,10 @@ class TorchNativeBackend(AttentionBackend):
         v_rows = batch.kv_pool.v_buffer[layer.layer_id].view(-1, d)
         k = k_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
         v = v_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
+        if bsz == 1 and meta.prefix_index is None:  # nothing to pad: one fused kernel
+            return F.scaled_dot_product_attention(
+                q.view(1, layer.num_heads, 1, d), k.unsqueeze(0), v.unsqueeze(0),
+                scale=layer.scaling, enable_gqa=group > 1).view(1, layer.num_heads, d)
         qh = q.view(bsz, hkv, group, d).transpose(0, 1).reshape(hkv * bsz, group, d)
         scores = torch.bmm(qh, k.transpose(1, 2)).float()  # [Hkv * B, G, L]
         scores = scores.view(hkv, bsz, group, meta.width).mul_(layer.scaling).add_(meta.mask)

@@ -154,8 +154,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, flags: _ArchFlags):
         super().__init__()
-        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size,
-                                      dtype=config.dtype, device=torch.get_default_device())
+        # Given its weight, nn.Embedding skips its random init (the weights are loaded).
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, flags) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)

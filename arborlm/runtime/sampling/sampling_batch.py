@@ -2,7 +2,8 @@
 
 Built once per forward step from the requests whose next token is sampled. Rows that need a
 feature (penalties, bias, min-token masks) are gathered so that a batch without them pays
-nothing for them. This module only describes the batch; `sampler.py` acts on it.
+nothing for them, and an all-greedy batch builds no draw tensors at all. This module only
+describes the batch; `sampler.py` acts on it.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from arborlm.runtime.request import Req
 
 @dataclass
 class SamplingBatch:
-    temperatures: torch.Tensor  # [B] float32 (1.0 for greedy rows; unused there)
-    top_ps: torch.Tensor  # [B] float32
-    top_ks: torch.Tensor  # [B] int64, vocab size where "all"
-    min_ps: torch.Tensor  # [B] float32
-    greedy: torch.Tensor  # [B] bool
+    # The draw's parameters; None when every row is greedy (argmax needs none of them).
+    temperatures: torch.Tensor | None  # [B] float32 (1.0 for greedy rows; unused there)
+    top_ps: torch.Tensor | None  # [B] float32
+    top_ks: torch.Tensor | None  # [B] int64, vocab size where "all"
+    min_ps: torch.Tensor | None  # [B] float32
+    greedy: torch.Tensor | None  # [B] bool
     all_greedy: bool
     need_top_p: bool
     need_top_k: bool
@@ -45,28 +47,39 @@ class SamplingBatch:
               device: str = "cpu") -> SamplingBatch:
         params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
-        top_ks = [vocab_size if (p.top_k < 0 or p.top_k > vocab_size) else p.top_k
-                  for p in params]
         penalty_rows = [i for i, p in enumerate(params)
                         if p.frequency_penalty or p.presence_penalty
                         or p.repetition_penalty != 1.0]
-        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)
+        draw = {} if all(greedy) else _draw_params(reqs, greedy, vocab_size, device)
         return cls(
-            temperatures=f([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
-            top_ps=f([p.top_p for p in params]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=f([p.min_p for p in params]),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            need_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
-            need_top_k=any(k < vocab_size and not g for k, g in zip(top_ks, greedy)),
-            need_min_p=any(p.min_p > 0 and not g for p, g in zip(params, greedy)),
-            seeds=[_step_seed(r) for r in reqs],
+            temperatures=draw.get("temperatures"), top_ps=draw.get("top_ps"),
+            top_ks=draw.get("top_ks"), min_ps=draw.get("min_ps"), greedy=draw.get("greedy"),
+            all_greedy=not draw,
+            need_top_p=draw.get("need_top_p", False), need_top_k=draw.get("need_top_k", False),
+            need_min_p=draw.get("need_min_p", False), seeds=draw.get("seeds", []),
             **_penalties(reqs, penalty_rows, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
             banned=_banned(reqs, eos_ids, vocab_size, device),
             want_logprobs=any(r.return_logprob for r in reqs),
         )
+
+
+def _draw_params(reqs: list[Req], greedy: list[bool], vocab_size: int, device: str) -> dict:
+    """The tensors and flags of a batch that draws some of its tokens."""
+    params = [r.sampling_params for r in reqs]
+    top_ks = [vocab_size if (p.top_k < 0 or p.top_k > vocab_size) else p.top_k for p in params]
+    f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    return dict(
+        temperatures=f([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
+        top_ps=f([p.top_p for p in params]),
+        top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+        min_ps=f([p.min_p for p in params]),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        need_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
+        need_top_k=any(k < vocab_size and not g for k, g in zip(top_ks, greedy)),
+        need_min_p=any(p.min_p > 0 and not g for p, g in zip(params, greedy)),
+        seeds=[_step_seed(r) for r in reqs],
+    )
 
 
 def _step_seed(req: Req) -> int:
