@@ -1,0 +1,63 @@
+"""The CPU speed paths keep greedy decoding equal to transformers, token for token (float32).
+
+Cascade decode (a batch whose requests share a cached prefix reads it once), batch-1 decode
+through SDPA, and prompts prefilled without reading the pool are all checked end to end; plus
+the `dtype=auto` rule (bfloat16 on CPUs with native bfloat16) on fake `/proc/cpuinfo` files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arborlm import Engine
+from arborlm.runtime.attention import torch_native
+from arborlm.runtime.config import EngineArgs, cpu_has_native_bf16
+from tests.runtime.engine_helpers import GREEDY, hf_greedy
+
+
+def test_cascade_decode_matches_transformers(make_tiny_model, monkeypatch):
+    path = str(make_tiny_model("llama"))
+    calls = []
+    cascade = torch_native.TorchNativeBackend._cascade
+
+    def counting(*args):
+        calls.append(1)
+        return cascade(*args)
+
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "_cascade", staticmethod(counting))
+    shared = [(7 * i) % 400 + 10 for i in range(90)]  # > CASCADE_MIN_PREFIX tokens
+    prompts = [shared + [20 + j, 30 + j, 40 + 2 * j] for j in range(4)]
+    engine = Engine(path, dtype="float32", debug_integrity=True)
+    engine.generate(input_ids=shared + [5], sampling_params={"max_new_tokens": 1})  # cache it
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert calls, "the batch never took the cascade path"
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_batch_of_one_matches_transformers(make_tiny_model):
+    path = str(make_tiny_model("qwen3"))
+    prompt = [(11 * i) % 300 + 6 for i in range(40)]
+    engine = Engine(path, dtype="float32")
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
+    engine.shutdown()
+
+
+def test_auto_dtype_follows_the_cpu(make_tiny_model, tmp_path, monkeypatch):
+    with_bf16 = tmp_path / "bf16"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    without = tmp_path / "plain"
+    without.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
+    assert cpu_has_native_bf16(str(with_bf16))
+    assert not cpu_has_native_bf16(str(without))
+    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
+
+    path = str(make_tiny_model("llama"))  # a float32 checkpoint
+    monkeypatch.setattr("arborlm.runtime.config.cpu_has_native_bf16", lambda: True)
+    assert EngineArgs(model_path=path).resolve().model.dtype == torch.bfloat16
+    assert EngineArgs(model_path=path, dtype="float32").resolve().model.dtype == torch.float32
+    monkeypatch.setattr("arborlm.runtime.config.cpu_has_native_bf16", lambda: False)
+    assert EngineArgs(model_path=path).resolve().model.dtype == torch.float32
