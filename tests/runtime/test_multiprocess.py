@@ -264,6 +264,15 @@ def test_control_requests(multiproc):
     multiproc.check_integrity()
 
 
+def test_idle_children_do_not_spin(multiproc):
+    multiproc.generate("Hello", GREEDY)
+    procs = [psutil.Process(pid) for pid in multiproc.client.pids().values()]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(2.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
+    assert max(used) < 0.2, used
+
+
 def test_detokenizer_failure_ends_only_that_request(llama_path):
     """A token id the tokenizer cannot decode fails its request alone (the service's handler,
     run here without a process)."""
