@@ -19,6 +19,7 @@ from arborlm.runtime.attention.base import create_attention_backend
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from arborlm.runtime.forward_batch import ForwardBatch
+from arborlm.runtime.layers.cpu_linear import pack_linears
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class ModelRunner:
             keep_cpu_allocations()
         torch.manual_seed(args.random_seed)
         self.model = load_model(mc, device=self.device)
+        if self.device == "cpu":
+            packed = pack_linears(self.model)
+            logger.info("%d linear weights prepacked for oneDNN", packed)
         self.vocab_size = mc.vocab_size
         self.page_size = args.page_size
         num_slots = self._pool_slots()

@@ -1,17 +1,20 @@
 """The CPU speed paths keep greedy decoding equal to transformers, token for token (float32).
 
 Cascade decode (a batch whose requests share a cached prefix reads it once), batch-1 decode
-through SDPA, and prompts prefilled without reading the pool are all checked end to end; plus
-the `dtype=auto` rule (bfloat16 on CPUs with native bfloat16) on fake `/proc/cpuinfo` files.
+through SDPA, prompts prefilled without reading the pool and oneDNN-prepacked linears are all
+checked end to end; plus the `dtype=auto` rule (bfloat16 on CPUs with native bfloat16) on fake
+`/proc/cpuinfo` files.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from arborlm import Engine
 from arborlm.runtime.attention import torch_native
 from arborlm.runtime.config import EngineArgs, cpu_has_native_bf16
+from arborlm.runtime.layers import cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 
@@ -61,3 +64,34 @@ def test_auto_dtype_follows_the_cpu(make_tiny_model, tmp_path, monkeypatch):
     assert EngineArgs(model_path=path, dtype="float32").resolve().model.dtype == torch.float32
     monkeypatch.setattr("arborlm.runtime.config.cpu_has_native_bf16", lambda: False)
     assert EngineArgs(model_path=path).resolve().model.dtype == torch.float32
+
+
+def test_packed_linears_match_transformers(make_tiny_model, monkeypatch):
+    """oneDNN-prepacked weights (normally only above MIN_PACKED_ELEMENTS) keep greedy equality."""
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 0)
+    path = str(make_tiny_model("qwen2"))  # q/k/v biases go through the packed op too
+    engine = Engine(path, dtype="float32")
+    packed = [m for m in engine.scheduler.runner.model.modules()
+              if isinstance(m, cpu_linear.PackedLinear)]
+    assert len(packed) == 4 * 2 + 1  # qkv, o, gate_up, down in each of 2 layers; lm_head
+    prompts = [[(13 * i + j) % 400 + 6 for i in range(12 + 5 * j)] for j in range(3)]
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_linear_matches_f_linear(dtype):
+    if not cpu_linear.packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(256, 384, bias=True).to(dtype)
+    packed = cpu_linear.PackedLinear(linear)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 256, generator=gen).to(dtype)
+        expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        if dtype == torch.bfloat16:  # the same oneDNN kernels as F.linear: bit-identical
+            assert torch.equal(packed(x), expected)
+        else:
+            torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=1e-5)
