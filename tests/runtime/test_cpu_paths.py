@@ -88,7 +88,7 @@ def test_packed_linear_matches_f_linear(dtype):
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(256, 384, bias=True).to(dtype)
     packed = cpu_linear.PackedLinear(linear)
-    for rows in (1, 5, 64):
+    for rows in (1, 5, 64, 200):  # every path: one row, packed rows, prefill rows
         x = torch.randn(rows, 256, generator=gen).to(dtype)
         expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
         if dtype == torch.bfloat16:  # the same oneDNN kernels as F.linear: bit-identical
