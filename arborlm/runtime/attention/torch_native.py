@@ -8,8 +8,8 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
   attention is then two batched matmuls with exactly the model's FLOPs (each KV head's group of
-  query heads against its own keys) and a float32 softmax; a batch of one, with no padding,
-  runs `scaled_dot_product_attention` instead (fewer kernels per layer).
+  query heads against its own keys) and a float32 softmax; a float32 batch of one, with no
+  padding, runs `scaled_dot_product_attention` instead (fewer kernels per layer).
 - Cascade decode: when every request of a decode batch shares a cached prefix (the radix cache
   gives them the same slots), that prefix's K/V is read once for the whole batch instead of once
   per request, and its scores join each request's own scores in one softmax.
@@ -133,12 +133,18 @@ class TorchNativeBackend(AttentionBackend):
     def _decode_metadata(batch: ForwardBatch) -> _DecodeMeta:
         hkv = batch.kv_pool.num_kv_heads
         width = max(batch.seq_lens_cpu)
-        slots = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :width]  # [B, L]
+        table = batch.req_to_token_pool.req_to_token
+        if batch.batch_size == 1:  # no padding, no sharing: a slice of the request's row
+            slots = table[int(batch.req_pool_indices[0]), :width]  # [L]
+            mask = torch.zeros((1, 1, 1, width), dtype=torch.float32, device=slots.device)
+            return _DecodeMeta(index=_head_rows(slots, hkv), mask=mask, width=width,
+                               prefix_index=None, prefix_len=0)
+        slots = table[batch.req_pool_indices, :width]  # [B, L]
         pos = torch.arange(width, device=slots.device)
         valid = pos[None, :] < batch.seq_lens[:, None]  # [B, L]
         slots = slots * valid  # padding -> slot 0
         prefix_len = 0
-        if batch.batch_size > 1 and min(batch.seq_lens_cpu) > CASCADE_MIN_PREFIX:
+        if min(batch.seq_lens_cpu) > CASCADE_MIN_PREFIX:
             same = (slots == slots[:1]).all(dim=0)  # [L]; a request's own token never matches
             prefix_len = int(same.cumprod(dim=0).sum())
         prefix_index = None
@@ -162,7 +168,8 @@ class TorchNativeBackend(AttentionBackend):
         v_rows = batch.kv_pool.v_buffer[layer.layer_id].view(-1, d)
         k = k_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
         v = v_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
-        if bsz == 1 and meta.prefix_index is None:  # nothing to pad: one fused kernel
+        if bsz == 1 and meta.prefix_index is None and q.dtype == torch.float32:
+            # Nothing to pad: one fused kernel (in bf16 its flash path is slower than the bmms).
             return F.scaled_dot_product_attention(
                 q.view(1, layer.num_heads, 1, d), k.unsqueeze(0), v.unsqueeze(0),
                 scale=layer.scaling, enable_gqa=group > 1).view(1, layer.num_heads, d)
