@@ -176,3 +176,18 @@ def validate_single(req: SingleRequest, input_ids: list[int], *, context_length:
     if req.token_ids_logprob and any(not 0 <= t < vocab_size for t in req.token_ids_logprob):
         raise InvalidRequestError(f"token_ids_logprob must be in [0, {vocab_size})",
                                   "token_ids_logprob")
+
+
+def prepare_request(req: GenerateRequest, tokenizer: Any, *, context_length: int,
+                    max_total_tokens: int,
+                    vocab_size: int) -> list[tuple[SingleRequest, list[int]]]:
+    """Normalize, tokenize and validate every sequence; raises before anything is queued."""
+    from arborlm.runtime.tokenizer_utils import encode
+
+    out = []
+    for single in req.normalize():
+        ids = single.input_ids if single.input_ids is not None else encode(tokenizer, single.text)
+        validate_single(single, ids, context_length=context_length,
+                        max_total_tokens=max_total_tokens, vocab_size=vocab_size)
+        out.append((single, ids))
+    return out

@@ -24,11 +24,11 @@ from typing import Any
 
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.engine_client import EngineClient
-from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, validate_single
+from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, prepare_request
 from arborlm.runtime.request import FinishReason, Req
 from arborlm.runtime.response import ResponseBuilder
 from arborlm.runtime.scheduler.scheduler import Scheduler
-from arborlm.runtime.tokenizer_utils import encode, load_tokenizer
+from arborlm.runtime.tokenizer_utils import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +70,9 @@ class InProcessClient(EngineClient):
 
     def prepare(self, req: GenerateRequest) -> list[tuple[SingleRequest, list[int]]]:
         """Normalize, tokenize and validate every sequence (raises before anything is queued)."""
-        out = []
-        for single in req.normalize():
-            ids = (single.input_ids if single.input_ids is not None
-                   else encode(self.tokenizer, single.text))
-            validate_single(single, ids, context_length=self.config.model.context_length,
-                            max_total_tokens=self.max_total_tokens,
-                            vocab_size=self.config.model.vocab_size)
-            out.append((single, ids))
-        return out
+        return prepare_request(req, self.tokenizer, context_length=self.config.model.context_length,
+                               max_total_tokens=self.max_total_tokens,
+                               vocab_size=self.config.model.vocab_size)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         self._check_alive()

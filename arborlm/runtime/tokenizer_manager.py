@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from arborlm.errors import EngineDeadError, MessageDecodeError
-from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, validate_single
+from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, prepare_request
 from arborlm.runtime.ipc import IpcAddresses
 from arborlm.runtime.messages import (
     AbortReq,
@@ -50,7 +50,6 @@ from arborlm.runtime.messages import (
     ShutdownReq,
     TokenizedGenerateReq,
 )
-from arborlm.runtime.tokenizer_utils import encode
 from arborlm.runtime.zmq_queues import PullQueue, PushQueue
 
 if TYPE_CHECKING:
@@ -174,15 +173,9 @@ class TokenizerManager:
 
     def prepare(self, req: GenerateRequest) -> list[tuple[SingleRequest, list[int]]]:
         """Normalize, tokenize and validate every sequence (raises before anything is sent)."""
-        out = []
-        for single in req.normalize():
-            ids = (single.input_ids if single.input_ids is not None
-                   else encode(self.tokenizer, single.text))
-            validate_single(single, ids, context_length=self.config.model.context_length,
-                            max_total_tokens=self.max_total_tokens,
-                            vocab_size=self.config.model.vocab_size)
-            out.append((single, ids))
-        return out
+        return prepare_request(req, self.tokenizer, context_length=self.config.model.context_length,
+                               max_total_tokens=self.max_total_tokens,
+                               vocab_size=self.config.model.vocab_size)
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """(sequence index, event) pairs, as `EngineClient.generate` specifies; bad input and a
