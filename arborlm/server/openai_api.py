@@ -6,22 +6,29 @@ objects (`openai_format.py`): choices in prompt-major order (prompt i, sample j 
 i * n + j), `usage` with cached prompt tokens, and for `stream` OpenAI's chunk format ending in
 `data: [DONE]`, with a final usage chunk when `stream_options.include_usage` is set. Chat
 prompts are rendered with the chat template (`chat.py`) and sent to the engine as token ids.
+
+Structured outputs: one grammar per request — `response_format` (`json_object` / `json_schema`),
+the `regex` / `ebnf` extensions, or tool calls forced by `tool_choice` (`required`, a named
+function; see `tool_calls.py`). A grammar the engine rejects is a 400 naming the request field
+it came from. Streaming with tools sends text as it comes until a `<tool_call>` starts, then
+holds the rest and sends the calls, each whole in one `tool_calls` delta, when the choice ends
+(arguments are not streamed piece by piece).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from arborlm.constrained.base import ANY_WHITESPACE_MAX_RUN
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.server import openai_format as fmt
@@ -31,10 +38,18 @@ from arborlm.server.generation import Event, collect_finals, race_disconnect, st
 from arborlm.server.jsonresp import JSONResponse
 from arborlm.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from arborlm.server.state import ServerState, server_state
+from arborlm.server.tool_calls import ToolCallStream, ToolPolicy, tool_policy
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 START_TIME = int(time.time())
+# Whitespace allowed per gap of the JSON arguments of forced tool calls: one character (so both
+# compact JSON and ", " / ": " separators fit), or the engine's bound with --grammar-any-whitespace.
+TOOL_ARGS_WHITESPACE = 1
+# The request field each engine grammar kind comes from, per route.
+COMPLETION_GRAMMAR_FIELDS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
+CHAT_GRAMMAR_FIELDS = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf",
+                       "structural_tag": "tools"}
 
 
 @router.get("/v1/models")
@@ -98,10 +113,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     reply = _Reply(base, "text_completion", state.model_name, body.n, wants_lp,
                    body.include_usage, request.url.path)
     events = state.runner.events(req, "max_tokens")
-    if body.stream:
-        stream = await started(request, events)
-        return sse.SSEResponse(_completion_stream(state, reply, stream, echoes))
-    finals = await race_disconnect(request, collect_finals(events))
+    with _grammar_error_field(sampling, COMPLETION_GRAMMAR_FIELDS):
+        if body.stream:
+            stream = await started(request, events)
+            return sse.SSEResponse(_completion_stream(state, reply, stream, echoes))
+        finals = await race_disconnect(request, collect_finals(events))
     choices = [fmt.completion_choice(i, f, state.token_texts, logprobs=wants_lp,
                                      echo=None if echoes is None else echoes[i // body.n])
                for i, f in enumerate(finals)]
@@ -146,10 +162,10 @@ async def _completion_stream(state: ServerState, reply: _Reply, stream: AsyncIte
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
+    tools = tool_policy(body.tools, body.tool_choice, body.parallel_tool_calls)
     sampling = body.base_sampling()
-    sampling.update(_structured_output(body))
-    tools = body.tools if body.tool_choice != "none" else None
-    prompt = state.chat.render(body.messages, tools, body.chat_template_kwargs)
+    sampling.update(_chat_grammar(body, tools, state))
+    prompt = state.chat.render(body.messages, tools.offered, body.chat_template_kwargs)
     ids = state.chat.encode(prompt)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
@@ -162,48 +178,82 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     reply = _Reply(base, "chat.completion", state.model_name, body.n, body.logprobs,
                    body.include_usage, request.url.path)
     events = state.runner.events(req, "max_tokens")
-    if body.stream:
-        stream = await started(request, events)
-        reply.object = "chat.completion.chunk"
-        return sse.SSEResponse(_chat_stream(state, reply, stream))
-    finals = await race_disconnect(request, collect_finals(events))
-    choices = [fmt.chat_choice(i, f, state.token_texts, logprobs=body.logprobs)
+    with _grammar_error_field(sampling, CHAT_GRAMMAR_FIELDS):
+        if body.stream:
+            stream = await started(request, events)
+            reply.object = "chat.completion.chunk"
+            return sse.SSEResponse(_chat_stream(state, reply, stream, tools.names))
+        finals = await race_disconnect(request, collect_finals(events))
+    choices = [fmt.chat_choice(i, f, state.token_texts, logprobs=body.logprobs,
+                               tool_names=tools.names)
                for i, f in enumerate(finals)]
     return JSONResponse(reply.envelope(choices, usage=fmt.usage(finals, body.n)))
 
 
-def _structured_output(body: ChatCompletionRequest) -> dict[str, Any]:
-    """Sampling fields for `response_format` / `tool_choice` (grammar-constrained decoding)."""
-    choice = body.tool_choice
-    if choice == "required" or (choice is not None and not isinstance(choice, str)):
-        raise ApiError(400, "tool_choice 'required' and named functions need constrained tool "
-                       "calls, which this server does not provide yet; use 'auto' or 'none'",
-                       "tool_choice")
-    fmt_ = body.response_format
-    if fmt_ is None or fmt_.type == "text":
-        return {}
-    if fmt_.type == "json_object":
-        return {"json_schema": json.dumps({"type": "object"})}
-    schema = fmt_.json_schema.schema_
-    return {"json_schema": json.dumps(schema if schema is not None else {"type": "object"})}
+def _chat_grammar(body: ChatCompletionRequest, tools: ToolPolicy,
+                  state: ServerState) -> dict[str, Any]:
+    """Sampling fields of the one grammar that may constrain a chat completion: forced tool
+    calls or `response_format` (`regex` / `ebnf` are already in the base sampling fields)."""
+    response_format = body.response_format
+    asked = [name for name, on in (
+        ("response_format", response_format is not None and response_format.type != "text"),
+        ("regex", body.regex is not None), ("ebnf", body.ebnf is not None),
+        ("tool_choice", bool(tools.forced))) if on]
+    if len(asked) > 1:
+        raise InvalidRequestError(
+            "at most one of response_format (json_object / json_schema), regex, ebnf and "
+            f"tool_choice 'required' / a named function may be given; got {' and '.join(asked)}",
+            asked[-1])
+    if tools.forced:
+        whitespace = (ANY_WHITESPACE_MAX_RUN if state.engine_args.grammar_any_whitespace
+                      else TOOL_ARGS_WHITESPACE)
+        return {"structural_tag": tools.grammar(whitespace), "grammar_backend": "xgrammar"}
+    return response_format.sampling() if response_format is not None else {}
 
 
-async def _chat_stream(state: ServerState, reply: _Reply,
-                       stream: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+@contextmanager
+def _grammar_error_field(sampling: dict[str, Any], fields: dict[str, str]) -> Iterator[None]:
+    """Re-raise the engine's error about the request's grammar as one about the request field
+    it came from (`fields`: grammar kind -> field). The engine names the grammar kind as the
+    error's param, or, from a child process, starts its message with it."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        kind = next((k for k in fields if k in sampling), None)
+        named = e.param is None and kind is not None and e.message.startswith(
+            (f"invalid {kind}:", f"{kind} "))
+        if kind is None or not (e.param == kind or named):
+            raise
+        field = fields[kind]
+        message = e.message if field == kind else f"{field}: {e.message}"
+        raise InvalidRequestError(message, field) from e
+
+
+async def _chat_stream(state: ServerState, reply: _Reply, stream: AsyncIterator[Event],
+                       tool_names: frozenset[str]) -> AsyncIterator[bytes]:
     texts = state.token_texts
+    splits: dict[int, ToolCallStream] = {}
 
     def chunk(index: int, event: dict[str, Any], sent: int, first: bool) -> dict[str, Any]:
         meta = event["meta_info"]
+        split = splits.setdefault(index, ToolCallStream(tool_names))
+        reason = fmt.finish_reason(meta)
+        if reason is None:
+            text, calls = split.content(event["text"]), []
+        else:
+            text, calls = split.finish(event["text"])
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        text = event["text"][sent:]
         if text or first:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [fmt.tool_call(call, k) for k, call in enumerate(calls)]
         lp = None
         if reply.logprobs:
             lp = fmt.chat_logprobs(texts, meta.get("output_token_logprobs", []),
                                    meta.get("output_top_logprobs", []))
         return {"index": index, "delta": delta, "logprobs": lp,
-                "finish_reason": fmt.finish_reason(meta), "matched_stop": fmt.matched_stop(meta)}
+                "finish_reason": fmt.tool_finish_reason(reason, calls),
+                "matched_stop": fmt.matched_stop(meta)}
 
     async for item in _openai_stream(reply, stream, chunk):
         yield item

@@ -3,15 +3,19 @@
 Pure functions over the native events (`text`, `output_ids`, `meta_info`, logprob entries
 `[logprob, token_id, text]`); `TokenTexts` supplies each token's text and raw bytes. A
 logprob that is not finite (a banned token) is reported as `LOGPROB_FLOOR`, because OpenAI's
-fields are numbers.
+fields are numbers. A chat choice whose text holds tool calls (`tool_calls.py` finds them)
+gets `message.tool_calls`, the remaining text (or null) as `content`, and finish reason
+`tool_calls` when generation stopped on its own.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any
 
 from arborlm.server.tokens import TokenTexts
+from arborlm.server.tool_calls import ParsedCall, parse_tool_calls
 
 LOGPROB_FLOOR = -9999.0
 
@@ -105,14 +109,32 @@ def completion_segments(meta: dict[str, Any], echo: str | None, sent: int) -> li
     return segments
 
 
-def chat_choice(index: int, final: dict[str, Any], texts: TokenTexts, *,
-                logprobs: bool) -> dict[str, Any]:
+def chat_choice(index: int, final: dict[str, Any], texts: TokenTexts, *, logprobs: bool,
+                tool_names: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """One chat choice; calls of the tools in `tool_names` are parsed out of the text."""
     meta = final["meta_info"]
+    content, calls = parse_tool_calls(final["text"], tool_names)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [tool_call(call) for call in calls]
     choice: dict[str, Any] = {
-        "index": index, "message": {"role": "assistant", "content": final["text"]},
-        "logprobs": None, "finish_reason": finish_reason(meta),
+        "index": index, "message": message, "logprobs": None,
+        "finish_reason": tool_finish_reason(finish_reason(meta), calls),
         "matched_stop": matched_stop(meta)}
     if logprobs:
         choice["logprobs"] = chat_logprobs(texts, meta.get("output_token_logprobs", []),
                                            meta.get("output_top_logprobs", []))
     return choice
+
+
+def tool_call(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
+    """OpenAI's tool call object; `index` is set in streamed deltas."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out.update({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}})
+    return out
+
+
+def tool_finish_reason(reason: str | None, calls: list[ParsedCall]) -> str | None:
+    """`tool_calls` for a choice that made calls and stopped on its own (not at a length)."""
+    return "tool_calls" if calls and reason == "stop" else reason

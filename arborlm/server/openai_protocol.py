@@ -2,15 +2,16 @@
 
 Field names, defaults and bounds follow OpenAI's API; ArborLM's extensions (API.md: `top_k`,
 `min_p`, `regex`, `rid`, ...) sit beside them and arrive from the `openai` client as
-`extra_body`. `sampling_params()` maps a request onto the engine's native sampling parameters;
+`extra_body`. `base_sampling()` maps a request onto the engine's native sampling parameters;
 the engine checks the remaining value ranges. Fields OpenAI defines but ArborLM ignores
 (`user`, `store`, ...) are accepted; unknown fields are a 400 naming them, as OpenAI does.
-Structured outputs (`response_format`) and tools are typed here so the grammar layer can take
-them over; the chat adapter decides which of them it can serve.
+`response_format` maps onto the engine's `json_schema` grammar here (`sampling()`); tools and
+`tool_choice` are typed here and turned into a grammar and a parser by `tool_calls.py`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,6 +20,7 @@ from arborlm.server.limits import MAX_N, MAX_OPENAI_TOP_LOGPROBS, MAX_STOP_STRIN
 from arborlm.server.protocol import Bool, Float, Int, Str, TokenIds
 
 StopList = Annotated[list[Str], Field(max_length=MAX_STOP_STRINGS)]
+ANY_OBJECT = {"type": "object"}  # `json_object`, and `json_schema` without a schema
 
 
 class _Model(BaseModel):
@@ -163,14 +165,27 @@ class JsonSchemaSpec(_Model):
 class ResponseFormatText(_Model):
     type: Literal["text"]
 
+    def sampling(self) -> dict[str, Any]:
+        return {}
+
 
 class ResponseFormatJsonObject(_Model):
     type: Literal["json_object"]
 
+    def sampling(self) -> dict[str, Any]:
+        return {"json_schema": json.dumps(ANY_OBJECT)}
+
 
 class ResponseFormatJsonSchema(_Model):
+    """`strict` is accepted either way: ArborLM always enforces the schema (objects closed
+    unless they allow `additionalProperties`, see `arborlm.constrained.xgrammar_backend`)."""
+
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
+
+    def sampling(self) -> dict[str, Any]:
+        schema = self.json_schema.schema_
+        return {"json_schema": json.dumps(ANY_OBJECT if schema is None else schema)}
 
 
 ResponseFormat = Annotated[

@@ -228,7 +228,7 @@ def test_completion_errors_use_openai_error_body(client, kwargs, param):
      "messages[0].content"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
-    ({"tool_choice": "required",
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format"),
 ])
