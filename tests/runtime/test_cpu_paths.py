@@ -95,3 +95,25 @@ def test_packed_linear_matches_f_linear(dtype):
             assert torch.equal(packed(x), expected)
         else:
             torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_workspace_matches_transformers(make_tiny_model, monkeypatch):
+    """Consecutive decode steps append to the workspace; joins and finishes refill it."""
+    path = str(make_tiny_model("llama"))
+    modes: list[str] = []
+    metadata = torch_native.TorchNativeBackend._decode_metadata
+
+    def recording(self, batch):
+        meta = metadata(self, batch)
+        modes.append(meta.workspace)
+        return meta
+
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "_decode_metadata", recording)
+    prompts = [[(17 * i + j) % 400 + 6 for i in range(5 + 9 * j)] for j in range(3)]
+    params = [dict(GREEDY, max_new_tokens=n) for n in (16, 9, 12)]  # finishes refill it
+    engine = Engine(path, dtype="float32")
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert {"fill", "append"} <= set(modes)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out["output_ids"] == hf_greedy(path, prompt, p["max_new_tokens"])
+    engine.shutdown()

@@ -10,6 +10,8 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
   attention is then two batched matmuls with exactly the model's FLOPs (each KV head's group of
   query heads against its own keys) and a float32 softmax; a float32 batch of one, with no
   padding, runs `scaled_dot_product_attention` instead (fewer kernels per layer).
+- Consecutive decode steps of the same requests keep the padded batch in a `DecodeWorkspace`
+  and append each step's new token to it, instead of gathering the whole history again.
 - Cascade decode: when every request of a decode batch shares a cached prefix (the radix cache
   gives them the same slots), that prefix's K/V is read once for the whole batch instead of once
   per request, and its scores join each request's own scores in one softmax.
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from arborlm.runtime.attention.base import AttentionBackend, AttentionLayerSpec
+from arborlm.runtime.attention.decode_workspace import DecodeWorkspace
 from arborlm.runtime.forward_batch import ForwardBatch
 
 # A decode batch shares its prefix through the cascade path when the shared part is at least
@@ -34,11 +37,14 @@ CASCADE_MIN_PREFIX = 64
 
 @dataclass
 class _DecodeMeta:
-    index: torch.Tensor  # [Hkv * B * L] int64 rows of the pool viewed as [slots * Hkv, D]
+    index: torch.Tensor | None  # [Hkv * B * L] int64 rows of the pool seen as [slots * Hkv, D]
     mask: torch.Tensor  # [1, B, 1, L] float32: 0 for real keys, -inf for padding
     width: int  # L: own (non-shared) keys per request, padded
     prefix_index: torch.Tensor | None  # [Hkv * P] rows of the shared prefix (cascade), or None
     prefix_len: int  # P
+    workspace: str | None = None  # "fill" / "append" (see DecodeWorkspace.plan) or None
+    # (head, request, position) of each request's new token in the workspace, for "append".
+    append_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -54,10 +60,14 @@ def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 class TorchNativeBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self.workspace = DecodeWorkspace()
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode.is_decode:
             batch.attn_metadata = self._decode_metadata(batch)
         else:
+            self.workspace.invalidate()
             batch.attn_metadata = self._extend_metadata(batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,7 +78,7 @@ class TorchNativeBackend(AttentionBackend):
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
         batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.mode.is_decode:
-            out = self.forward_decode(q, layer, batch)
+            out = self._decode(q, k, v, layer, batch)
         else:
             out = self._extend(q, k, v, layer, batch)
         return out.reshape(-1, layer.num_heads * layer.head_dim)
@@ -129,8 +139,29 @@ class TorchNativeBackend(AttentionBackend):
 
     # --- decode -------------------------------------------------------------------------------
 
+    def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
+        pool, ws = batch.kv_pool, self.workspace
+        rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens_cpu
+        if ws.continues(rows, lens, pool.dtype):
+            width = max(lens)
+            pos = torch.arange(width, device=batch.seq_lens.device)
+            mask = torch.zeros((1, len(rows), 1, width), dtype=torch.float32, device=pos.device)
+            mask.masked_fill_(pos >= batch.seq_lens[:, None, None], float("-inf"))
+            heads = torch.arange(pool.num_kv_heads, device=pos.device)[:, None]  # [Hkv, 1]
+            index = (heads, torch.arange(len(rows), device=pos.device)[None, :],
+                     (batch.seq_lens - 1)[None, :])
+            return _DecodeMeta(index=None, mask=mask, width=width, prefix_index=None,
+                               prefix_len=0, workspace="append", append_index=index)
+        meta = self._gather_metadata(batch)
+        if meta.prefix_index is None and ws.prepare(rows, lens, pool.num_layers,
+                                                    pool.num_kv_heads, pool.head_dim,
+                                                    pool.dtype, pool.device):
+            meta.workspace = "fill"
+        return meta
+
     @staticmethod
-    def _decode_metadata(batch: ForwardBatch) -> _DecodeMeta:
+    def _gather_metadata(batch: ForwardBatch) -> _DecodeMeta:
+        """Metadata to gather every request's keys from the pool (with cascade detection)."""
         hkv = batch.kv_pool.num_kv_heads
         width = max(batch.seq_lens_cpu)
         table = batch.req_to_token_pool.req_to_token
@@ -161,13 +192,34 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
+        """The interface's form: the new tokens' K/V are read back from the pool."""
+        loc = batch.out_cache_loc
+        return self._decode(q, batch.kv_pool.k_buffer[layer.layer_id][loc],
+                            batch.kv_pool.v_buffer[layer.layer_id][loc], layer, batch)
+
+    def _keys(self, k_new: torch.Tensor, v_new: torch.Tensor, layer: AttentionLayerSpec,
+              batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's padded keys and values, `[Hkv * B, L, D]` each."""
+        meta: _DecodeMeta = batch.attn_metadata
+        lid, d = layer.layer_id, layer.head_dim
+        if meta.workspace == "append":
+            self.workspace.append(lid, meta.append_index, k_new, v_new)
+            return self.workspace.view(lid, meta.width)
+        k = batch.kv_pool.k_buffer[lid].view(-1, d).index_select(0, meta.index)  # [Hkv*B*L, D]
+        v = batch.kv_pool.v_buffer[lid].view(-1, d).index_select(0, meta.index)
+        if meta.workspace == "fill":
+            shape = (layer.num_kv_heads, -1, meta.width, d)
+            self.workspace.fill(lid, k.view(shape), v.view(shape))
+        return k.view(-1, meta.width, d), v.view(-1, meta.width, d)
+
+    def _decode(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        """q `[B, H, D]`, the new tokens' k/v `[B, Hkv, D]` (already in the pool) -> `[B, H, D]`."""
         meta: _DecodeMeta = batch.attn_metadata
         bsz, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // hkv
-        k_rows = batch.kv_pool.k_buffer[layer.layer_id].view(-1, d)  # [slots * Hkv, D]
-        v_rows = batch.kv_pool.v_buffer[layer.layer_id].view(-1, d)
-        k = k_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
-        v = v_rows.index_select(0, meta.index).view(hkv * bsz, meta.width, d).to(q.dtype)
+        k, v = self._keys(k_new, v_new, layer, batch)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if bsz == 1 and meta.prefix_index is None and q.dtype == torch.float32:
             # Nothing to pad: one fused kernel (in bf16 its flash path is slower than the bmms).
             return F.scaled_dot_product_attention(
@@ -180,6 +232,8 @@ class TorchNativeBackend(AttentionBackend):
             probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [Hkv, B, G, L]
             out = torch.bmm(probs.view(hkv * bsz, group, meta.width), v)  # [Hkv * B, G, D]
         else:
+            k_rows = batch.kv_pool.k_buffer[layer.layer_id].view(-1, d)  # [slots * Hkv, D]
+            v_rows = batch.kv_pool.v_buffer[layer.layer_id].view(-1, d)
             out = self._cascade(qh, scores, v, k_rows, v_rows, meta, layer)
         return out.view(hkv, bsz, group, d).transpose(0, 1).reshape(bsz, layer.num_heads, d)
 

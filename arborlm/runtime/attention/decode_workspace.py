@@ -1,0 +1,86 @@
+"""`DecodeWorkspace`: the running requests' K/V kept dense between decode steps (torch_native).
+
+A `torch_native` decode step needs every request's keys and values as one padded batch,
+`[Hkv, B, L, D]`. Gathering it from the paged pool copies the whole history every step, so the
+K/V is streamed three times (read from the pool, written to the copy, read by the matmul).
+While the same requests decode step after step, the workspace keeps last step's padded batch
+and appends each request's new token to it, so a step streams the history once.
+
+It is valid only while the batch is exactly the previous decode step's requests, in the same
+order, each one token longer, with no other step in between; anything else (an extend step, a
+request joining or leaving, a retraction) makes the next step refill it from the pool. Slots
+past a request's length hold finite stale values that the attention mask hides. Its size is
+bounded by `MAX_BYTES`; a batch that would need more decodes from the pool as before.
+
+This module holds buffers and bookkeeping only; the attention itself is in `torch_native`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Most memory the workspace may hold (K and V, all layers); above it decode gathers per step.
+MAX_BYTES = 512 << 20
+# Positions allocated past the longest sequence when (re)filling, rounded up to a multiple.
+HEADROOM = 64
+
+
+class DecodeWorkspace:
+    """Per-layer K and V buffers `[Hkv, B, cap, D]` of the requests decoding together."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] | None = None  # req_to_token rows of the last decode step
+        self.lens: list[int] = []
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def invalidate(self) -> None:
+        """Forget the last step's batch (an extend step ran, or decoding left the workspace)."""
+        self.rows = None
+
+    def continues(self, rows: list[int], lens: list[int], dtype: torch.dtype) -> bool:
+        """Whether this decode step is the last one's requests, in order, one token longer (and
+        fits): then the step appends. Records the step either way."""
+        ok = (rows == self.rows and bool(self.k) and self.k[0].dtype == dtype
+              and max(lens) <= self.k[0].shape[2]
+              and all(n == prev + 1 for n, prev in zip(lens, self.lens)))
+        if ok:
+            self.lens = list(lens)
+        else:
+            self.invalidate()
+        return ok
+
+    def prepare(self, rows: list[int], lens: list[int], num_layers: int, num_kv_heads: int,
+                head_dim: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+        """Size the buffers for a new batch (each layer then `fill`s them from its gather);
+        False when that would take more than `MAX_BYTES` (the step gathers from the pool)."""
+        cap = self.k[0].shape[2] if self.k else 0
+        want = -(-(max(lens) + HEADROOM) // HEADROOM) * HEADROOM
+        shape = (num_kv_heads, len(rows), max(want, cap), head_dim)
+        nbytes = 2 * num_layers * torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
+        if nbytes > MAX_BYTES:
+            self.k, self.v = [], []
+            return False
+        if not self.k or tuple(self.k[0].shape) != shape or self.k[0].dtype != dtype:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.rows, self.lens = list(rows), list(lens)
+        return True
+
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a layer's gathered history, k/v `[Hkv, B, L, D]`."""
+        width = k.shape[2]
+        self.k[layer][:, :, :width].copy_(k)
+        self.v[layer][:, :, :width].copy_(v)
+
+    def append(self, layer: int, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' k/v `[B, Hkv, D]` at `index` (head, request, position)."""
+        self.k[layer].index_put_(index, k.transpose(0, 1))
+        self.v[layer].index_put_(index, v.transpose(0, 1))
+
+    def view(self, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first `width` positions, `[Hkv * B, width, D]` (strided views)."""
+        k, v = self.k[layer], self.v[layer]
+        hkv, bsz, cap, d = k.shape
+        return (k.view(hkv * bsz, cap, d)[:, :width], v.view(hkv * bsz, cap, d)[:, :width])
