@@ -7,8 +7,9 @@ While the same requests decode step after step, the workspace keeps last step's 
 and appends each request's new token to it, so a step streams the history once.
 
 It is valid only while the batch is exactly the previous decode step's requests, in the same
-order, each one token longer, with no other step in between; anything else (an extend step, a
-request joining or leaving, a retraction) makes the next step refill it from the pool. Slots
+order, each one token longer, on the same pool, with each one's previous token still at the slot
+that step wrote, and no other step in between; anything else (an extend step, a request joining
+or leaving, a retraction, a cache rewrite) makes the next step refill it from the pool. Slots
 past a request's length hold finite stale values that the attention mask hides. Its size is
 bounded by `MAX_BYTES`; a batch that would need more decodes from the pool as before.
 
@@ -18,6 +19,9 @@ This module holds buffers and bookkeeping only; the attention itself is in `torc
 from __future__ import annotations
 
 import torch
+
+from arborlm.runtime.forward_batch import ForwardBatch
+from arborlm.runtime.memory_pool import KVPool
 
 # Most memory the workspace may hold (K and V, all layers); above it decode gathers per step.
 MAX_BYTES = 512 << 20
@@ -31,6 +35,8 @@ class DecodeWorkspace:
     def __init__(self) -> None:
         self.rows: list[int] | None = None  # req_to_token rows of the last decode step
         self.lens: list[int] = []
+        self.pool: KVPool | None = None  # the pool the buffers were filled from
+        self.last_loc: torch.Tensor | None = None  # [B] slots the last decode step wrote
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
@@ -38,33 +44,42 @@ class DecodeWorkspace:
         """Forget the last step's batch (an extend step ran, or decoding left the workspace)."""
         self.rows = None
 
-    def continues(self, rows: list[int], lens: list[int], dtype: torch.dtype) -> bool:
-        """Whether this decode step is the last one's requests, in order, one token longer (and
+    def continues(self, batch: ForwardBatch) -> bool:
+        """Whether this decode step is the last one's requests, in order, one token longer, on
+        the same pool, each one's previous token still at the slot the last step wrote (and it
         fits): then the step appends. Records the step either way."""
-        ok = (rows == self.rows and bool(self.k) and self.k[0].dtype == dtype
+        rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens_cpu
+        ok = (rows == self.rows and self.pool is batch.kv_pool and bool(self.k)
               and max(lens) <= self.k[0].shape[2]
               and all(n == prev + 1 for n, prev in zip(lens, self.lens)))
+        if ok:
+            table = batch.req_to_token_pool.req_to_token
+            prev_slots = table[batch.req_pool_indices, batch.seq_lens - 2]  # [B]
+            ok = bool(torch.equal(prev_slots, self.last_loc))
         if ok:
             self.lens = list(lens)
         else:
             self.invalidate()
+        self.last_loc = batch.out_cache_loc
         return ok
 
-    def prepare(self, rows: list[int], lens: list[int], num_layers: int, num_kv_heads: int,
-                head_dim: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    def prepare(self, batch: ForwardBatch) -> bool:
         """Size the buffers for a new batch (each layer then `fill`s them from its gather);
         False when that would take more than `MAX_BYTES` (the step gathers from the pool)."""
+        pool, lens = batch.kv_pool, batch.seq_lens_cpu
         cap = self.k[0].shape[2] if self.k else 0
         want = -(-(max(lens) + HEADROOM) // HEADROOM) * HEADROOM
-        shape = (num_kv_heads, len(rows), max(want, cap), head_dim)
-        nbytes = 2 * num_layers * torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
-        if nbytes > MAX_BYTES:
+        shape = (pool.num_kv_heads, len(lens), max(want, cap), pool.head_dim)
+        nbytes = 2 * pool.num_layers * torch.Size(shape).numel() * torch.finfo(pool.dtype).bits
+        if nbytes // 8 > MAX_BYTES:
             self.k, self.v = [], []
             return False
-        if not self.k or tuple(self.k[0].shape) != shape or self.k[0].dtype != dtype:
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.rows, self.lens = list(rows), list(lens)
+        if not self.k or tuple(self.k[0].shape) != shape or self.k[0].dtype != pool.dtype:
+            self.k = [torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+                      for _ in range(pool.num_layers)]
+            self.v = [torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+                      for _ in range(pool.num_layers)]
+        self.rows, self.lens, self.pool = batch.req_pool_indices.tolist(), list(lens), pool
         return True
 
     def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

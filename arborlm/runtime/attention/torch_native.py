@@ -11,7 +11,8 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
   query heads against its own keys) and a float32 softmax; a float32 batch of one, with no
   padding, runs `scaled_dot_product_attention` instead (fewer kernels per layer).
 - Consecutive decode steps of the same requests keep the padded batch in a `DecodeWorkspace`
-  and append each step's new token to it, instead of gathering the whole history again.
+  and append each step's new token to it, instead of gathering the whole history again. The
+  backend is therefore stateful: one instance serves one model runner (as the registry makes).
 - Cascade decode: when every request of a decode batch shares a cached prefix (the radix cache
   gives them the same slots), that prefix's K/V is read once for the whole batch instead of once
   per request, and its scores join each request's own scores in one softmax.
@@ -42,7 +43,7 @@ class _DecodeMeta:
     width: int  # L: own (non-shared) keys per request, padded
     prefix_index: torch.Tensor | None  # [Hkv * P] rows of the shared prefix (cascade), or None
     prefix_len: int  # P
-    workspace: str | None = None  # "fill" / "append" (see DecodeWorkspace.plan) or None
+    workspace: str | None = None  # "fill" (copy the gather in) / "append" (no gather) / None
     # (head, request, position) of each request's new token in the workspace, for "append".
     append_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -72,7 +73,8 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        """As the base class, except that extend reads fresh prompts' K/V from `k`/`v`."""
+        """As the base class, except that the new tokens' K/V are passed on from `k`/`v`
+        (fresh prompts attend to them directly; decode appends them to the workspace)."""
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v = v.view(-1, layer.num_kv_heads, layer.head_dim)
@@ -140,22 +142,18 @@ class TorchNativeBackend(AttentionBackend):
     # --- decode -------------------------------------------------------------------------------
 
     def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
-        pool, ws = batch.kv_pool, self.workspace
-        rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens_cpu
-        if ws.continues(rows, lens, pool.dtype):
-            width = max(lens)
+        if self.workspace.continues(batch):
+            bsz, width = batch.batch_size, max(batch.seq_lens_cpu)
             pos = torch.arange(width, device=batch.seq_lens.device)
-            mask = torch.zeros((1, len(rows), 1, width), dtype=torch.float32, device=pos.device)
+            mask = torch.zeros((1, bsz, 1, width), dtype=torch.float32, device=pos.device)
             mask.masked_fill_(pos >= batch.seq_lens[:, None, None], float("-inf"))
-            heads = torch.arange(pool.num_kv_heads, device=pos.device)[:, None]  # [Hkv, 1]
-            index = (heads, torch.arange(len(rows), device=pos.device)[None, :],
-                     (batch.seq_lens - 1)[None, :])
+            heads = torch.arange(batch.kv_pool.num_kv_heads, device=pos.device)[:, None]
+            index = (heads, torch.arange(bsz, device=pos.device)[None, :],
+                     (batch.seq_lens - 1)[None, :])  # [Hkv, 1], [1, B], [1, B]
             return _DecodeMeta(index=None, mask=mask, width=width, prefix_index=None,
                                prefix_len=0, workspace="append", append_index=index)
         meta = self._gather_metadata(batch)
-        if meta.prefix_index is None and ws.prepare(rows, lens, pool.num_layers,
-                                                    pool.num_kv_heads, pool.head_dim,
-                                                    pool.dtype, pool.device):
+        if meta.prefix_index is None and self.workspace.prepare(batch):
             meta.workspace = "fill"
         return meta
 
