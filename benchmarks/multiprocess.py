@@ -6,7 +6,8 @@
    and a multi-process `Engine`. Runs alternate between the two engines (`--repeats`, the
    order flipped every repeat) so that drifting machine load hits both alike. Prints output
    tokens/s of the median and of the best run of each (the best is the least disturbed by other
-   load on a shared machine), and their ratios.
+   load on a shared machine), their ratios, and the CPU seconds each engine's processes used
+   per run (which other load on the machine does not inflate much).
 2. Round trip of one small message across the process boundary: (a) a `HealthCheckReq` pushed
    over the typed ZeroMQ queues to a child process that answers `HealthCheckResp` (one hop each
    way); (b) the engine's health check, which goes tokenizer manager → scheduler process →
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -117,6 +119,53 @@ async def run_workload(engine: Any, prompts: list[list[int]], new: list[int],
     return time.perf_counter() - t
 
 
+def cpu_seconds(engine: Any) -> dict[str, float]:
+    """User + system CPU seconds so far of this process and of the engine's children."""
+    import psutil
+
+    pids = {"this process": os.getpid()}
+    if engine.mode == "multiprocess":
+        pids.update(engine.client.pids())
+    return {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in pids.items()}
+
+
+def measure(args: argparse.Namespace, engines: dict[str, Any], prompts: list[list[int]],
+            new: list[int]) -> dict[tuple[str, int], list[tuple[float, dict[str, float]]]]:
+    """(seconds, CPU seconds by process) of every run, by (engine, concurrency)."""
+    for engine in engines.values():  # warm-up
+        asyncio.run(run_workload(engine, prompts[:4], [8] * 4, 4))
+    runs: dict[tuple[str, int], list[tuple[float, dict[str, float]]]] = {}
+    for repeat in range(args.repeats):
+        for c in args.concurrency:
+            order = list(engines.items())
+            for name, engine in order[::-1] if repeat % 2 else order:  # ABBA against drift
+                engine.flush_cache()
+                before = cpu_seconds(engine)
+                seconds = asyncio.run(run_workload(engine, prompts, new, c))
+                cpu = {k: v - before[k] for k, v in cpu_seconds(engine).items()}
+                runs.setdefault((name, c), []).append((seconds, cpu))
+    return runs
+
+
+def report(runs: dict, concurrency: list[int], new_tokens: int) -> None:
+    rows = []
+    for c in concurrency:
+        for label, pick in (("median", statistics.median), ("best", min)):
+            ip = new_tokens / pick(s for s, _ in runs[("in-process", c)])
+            mp = new_tokens / pick(s for s, _ in runs[("multi-process", c)])
+            rows.append((c, label, f"{ip:.1f}", f"{mp:.1f}", f"{mp / ip:.3f}"))
+    print(table(rows, ("concurrency", "of runs", "in-process tok/s", "multi-process tok/s",
+                       "multi / in")))
+    rows = []
+    for (name, c), samples in runs.items():
+        names = samples[0][1]
+        per = {k: statistics.median(cpu[k] for _, cpu in samples) for k in names}
+        rows.append((name, c, f"{sum(per.values()):.1f}",
+                     ", ".join(f"{k} {v:.2f}" for k, v in per.items())))
+    print("CPU seconds per run (medians; the machine's other load not included):")
+    print(table(rows, ("engine", "concurrency", "total", "by process")))
+
+
 def throughput(args: argparse.Namespace, path: str) -> list[tuple]:
     from arborlm import Engine
 
@@ -129,31 +178,15 @@ def throughput(args: argparse.Namespace, path: str) -> list[tuple]:
     cfg = engines["in-process"].config.model
     specials = set(engines["in-process"].tokenizer.all_special_ids)
     prompts, new = workload(cfg.vocab_size, specials, args.num_prompts)
-    times: dict[tuple[str, int], list[float]] = {}
-    for engine in engines.values():  # warm-up
-        asyncio.run(run_workload(engine, prompts[:4], [8] * 4, 4))
-    for repeat in range(args.repeats):
-        for c in args.concurrency:
-            order = list(engines.items())
-            for name, engine in order[::-1] if repeat % 2 else order:  # ABBA against drift
-                engine.flush_cache()
-                times.setdefault((name, c), []).append(
-                    asyncio.run(run_workload(engine, prompts, new, c)))
+    runs = measure(args, engines, prompts, new)
     engine_rtt = asyncio.run(engine_round_trips(engines["multi-process"], args.round_trips))
     for engine in engines.values():
         engine.shutdown()
-    rows = []
-    for c in args.concurrency:
-        for label, pick in (("median", statistics.median), ("best", min)):
-            ip = sum(new) / pick(times[("in-process", c)])
-            mp = sum(new) / pick(times[("multi-process", c)])
-            rows.append((c, label, f"{ip:.1f}", f"{mp:.1f}", f"{mp / ip:.3f}"))
     print(f"model {path}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; {len(prompts)} "
           f"prompts ({sum(map(len, prompts))} tokens), {sum(new)} new tokens; {args.repeats} "
           f"alternating runs per engine; startup: in-process {started['in-process']:.1f} s, "
           f"multi-process {started['multi-process']:.1f} s")
-    print(table(rows, ("concurrency", "of runs", "in-process tok/s", "multi-process tok/s",
-                       "multi / in")))
+    report(runs, args.concurrency, sum(new))
     return [("engine health check (3 hops)", *map(lambda x: f"{x:.0f}",
                                                   percentiles(engine_rtt)))]
 
