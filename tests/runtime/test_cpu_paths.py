@@ -1,9 +1,9 @@
 """The CPU speed paths keep greedy decoding equal to transformers, token for token (float32).
 
-Cascade decode (a batch whose requests share a cached prefix reads it once), batch-1 decode
-through SDPA, prompts prefilled without reading the pool and oneDNN-prepacked linears are all
-checked end to end; plus the `dtype=auto` rule (bfloat16 on CPUs with native bfloat16) on fake
-`/proc/cpuinfo` files.
+Cascade decode (a batch whose requests share a cached prefix reads it once), the decode
+workspace, batch-1 decode, prompts prefilled without reading the pool and oneDNN-prepacked
+linears are all checked end to end; plus the `dtype=auto` rule (bfloat16 on CPUs with native
+bfloat16) on fake `/proc/cpuinfo` files.
 """
 
 from __future__ import annotations

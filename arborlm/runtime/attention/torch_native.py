@@ -8,8 +8,8 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
   attention is then two batched matmuls with exactly the model's FLOPs (each KV head's group of
-  query heads against its own keys) and a float32 softmax; a float32 batch of one, with no
-  padding, runs `scaled_dot_product_attention` instead (fewer kernels per layer).
+  query heads against its own keys) and a float32 softmax. (SDPA's CPU flash kernel costs
+  ~0.1 ms a call even for one short query, more than these few small kernels.)
 - Consecutive decode steps of the same requests keep the padded batch in a `DecodeWorkspace`
   and append each step's new token to it, instead of gathering the whole history again. The
   backend is therefore stateful: one instance serves one model runner (as the registry makes).
@@ -218,11 +218,6 @@ class TorchNativeBackend(AttentionBackend):
         group = layer.num_heads // hkv
         k, v = self._keys(k_new, v_new, layer, batch)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        if bsz == 1 and meta.prefix_index is None and q.dtype == torch.float32:
-            # Nothing to pad: one fused kernel (in bf16 its flash path is slower than the bmms).
-            return F.scaled_dot_product_attention(
-                q.view(1, layer.num_heads, 1, d), k.unsqueeze(0), v.unsqueeze(0),
-                scale=layer.scaling, enable_gqa=group > 1).view(1, layer.num_heads, d)
         qh = q.view(bsz, hkv, group, d).transpose(0, 1).reshape(hkv * bsz, group, d)
         scores = torch.bmm(qh, k.transpose(1, 2)).float()  # [Hkv * B, G, L]
         scores = scores.view(hkv, bsz, group, meta.width).mul_(layer.scaling).add_(meta.mask)
