@@ -128,7 +128,7 @@ class TorchNativeBackend(AttentionBackend):
             if slots is None:
                 ki, vi = k[start:end], v[start:end]  # [ext, Hkv, D]
             else:
-                ki, vi = k_buf[slots], v_buf[slots]  # [S, Hkv, D]
+                ki, vi = k_buf.index_select(0, slots), v_buf.index_select(0, slots)  # [S,Hkv,D]
             oi = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1).unsqueeze(0),  # [1, H, ext, D]
                 ki.transpose(0, 1).unsqueeze(0).to(q.dtype),  # [1, Hkv, S, D]
