@@ -3,7 +3,8 @@
 For EXTEND, request i prefills `fill_ids[prefix_lens[i] : prefix_lens[i] + extend_lens[i]]`.
 The logits plan lists, per request, which of its new positions need logits: the positions whose
 next token's input logprob was asked for (`logprob_start_len`), and the last position when the
-next token is sampled. DECODE runs one token per request and always samples.
+next token is sampled. DECODE runs one token per request, `fill_ids[prefix_lens[i]]`, and
+keeps the logits of every row.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ScheduledBatch:
         rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
         if self.mode.is_decode:
-            ids = [r.fill_ids[-1] for r in self.reqs]
+            ids = [r.fill_ids[p] for r, p in zip(self.reqs, self.prefix_lens)]
             positions = torch.tensor(self.prefix_lens, dtype=torch.int64)
         else:
             ids = []

@@ -60,9 +60,12 @@ class ResultProcessor:
                 end = batch.prefix_lens[i] + batch.extend_lens[i]
                 self._input_logprobs(req, batch.input_logprob_positions[i],
                                      logits[first:first + n_input], batch.prefix_lens[i], end)
-            if sample_row >= 0 and not req.finished:
-                sample_reqs.append(req)
-                sample_rows.append(sample_row)
+            if sample_row < 0 or req.finished:
+                continue
+            if batch.prefix_lens[i] + batch.extend_lens[i] < req.total_len:
+                continue  # a decode step fed one of its forced tokens; more follow
+            sample_reqs.append(req)
+            sample_rows.append(sample_row)
         if sample_reqs:
             self._sample(sample_reqs, logits[torch.tensor(sample_rows, dtype=torch.int64)])
 
@@ -126,8 +129,8 @@ class ResultProcessor:
         Each is the only token its mask leaves, so any sampler picks it with logprob 0.0 (its
         top logprobs are itself alone; every other id is -inf). Stops where a token would
         finish the request, or where it would be banned (a stop token before
-        `min_new_tokens`): decoding then samples at that point as usual. Their KV is computed
-        by the request's next forward step.
+        `min_new_tokens`): decoding then samples at that point as usual. The scheduler computes
+        their KV and counts the decode steps that saves.
         """
         p = req.sampling_params
         limit = min(p.max_new_tokens - len(req.output_ids), self.context_length - req.total_len)
@@ -136,7 +139,6 @@ class ResultProcessor:
                 return
             self.grammar_hook.accept(req, tok)
             req.output_ids.append(tok)
-            req.jump_forward_steps += 1
             if req.return_logprob:
                 self._forced_logprobs(req, tok)
             self._check_finished(req, tok)

@@ -3,8 +3,9 @@
 One `step()` is: release finished requests (and those whose grammar failed to compile) →
 schedule the next batch (a prefill batch of newly admitted requests and the ongoing chunked
 prompt, else one decode step of every running request, retracting the newest ones when the KV
-pool runs dry) → forward → sample → process results. A decode step whose requests carry tokens a
-grammar forced (jump-forward) runs as an extend of each request's uncomputed tokens instead.
+pool runs dry) → forward → sample → process results. Tokens a grammar forced (jump-forward) are
+in a request's output before their KV is computed: a decode step computes them all at once as an
+extend when there are enough of them, else each such request feeds one per decode step.
 Grammar work lives in `GrammarManager`; requests waiting for their grammar's compile stay in
 the waiting queue but are not admitted until it is ready. The same class runs in-process
 (`Engine`) and inside the scheduler process; it knows nothing of sockets, HTTP or text beyond
@@ -41,6 +42,12 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 CACHE_RUNNING_EVERY = 32
 # With nothing to run but grammars compiling, a step sleeps on the compiles this long at most.
 GRAMMAR_WAIT_S = 0.005
+# A decode step computes the forced tokens waiting in its requests as one extend once there are
+# at least this many per request (the step then does at least twice a decode step's work):
+# always for a lone request, the classic jump-forward win. Fewer are fed one per request per
+# decode step, so that small jumps do not turn every decode step of a large batch into an
+# extend (slower per row on CPU, and without the decode step's CUDA graph on GPU).
+JUMP_EXTEND_PER_REQUEST = 1.0
 
 
 class Scheduler:
@@ -254,21 +261,26 @@ class Scheduler:
     # --- decode -------------------------------------------------------------------------------
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        """One step of every running request: its newest token, plus any tokens a grammar
-        forced after it (jump-forward), which makes the step an extend of those lengths."""
+        """One step of every running request. A request whose newest tokens were forced by its
+        grammar has several uncomputed ones: when the batch holds enough of those (see
+        `JUMP_EXTEND_PER_REQUEST`), the step is an extend of every request's uncomputed tokens;
+        otherwise it is a decode step of each request's oldest uncomputed token, and a request
+        that still has more after it is not sampled (`ResultProcessor.process`)."""
         self._retract_until_fits()
         if not self.running:
             return None
         reqs = list(self.running)
-        slots = [self._alloc(r, r.computed_len, r.total_len) for r in reqs]
+        pending = [r.total_len - r.computed_len for r in reqs]
+        jump = sum(pending) - len(reqs) >= JUMP_EXTEND_PER_REQUEST * len(reqs)
+        extend = pending if jump else [1] * len(reqs)
+        slots = [self._alloc(r, r.computed_len, r.computed_len + n) for r, n in zip(reqs, extend)]
         for r, s in zip(reqs, slots):
             self.req_pool.write(r.req_pool_idx, r.computed_len, s)
         self._out_cache_loc = torch.cat(slots)
         prefix = [r.computed_len for r in reqs]
-        extend = [r.total_len - r.computed_len for r in reqs]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        mode = ForwardMode.DECODE if max(extend) == 1 else ForwardMode.EXTEND
+        mode = ForwardMode.EXTEND if jump else ForwardMode.DECODE
         return ScheduledBatch(mode, reqs, prefix, extend, [True] * len(reqs),
                               [range(0)] * len(reqs))
 
@@ -305,8 +317,11 @@ class Scheduler:
     def _after_decode(self, batch: ScheduledBatch) -> None:
         self.decode_steps += 1
         share = self.decode_steps % CACHE_RUNNING_EVERY == 0
+        jumped = batch.mode is ForwardMode.EXTEND  # forced tokens computed without steps
         for req, ext in zip(batch.reqs, batch.extend_lens):
             req.computed_len += ext
+            if jumped:
+                req.jump_forward_steps += ext - 1
             if req.finished:
                 self.running.remove(req)
                 self._finish(req)
@@ -337,6 +352,8 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         if req.req_pool_idx is not None:
+            # Forced tokens after the last computed one never needed a step of their own.
+            req.jump_forward_steps += max(0, req.total_len - req.computed_len - 1)
             self.cache.cache_finished_req(req)
             self.req_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
