@@ -267,6 +267,23 @@ def test_forced_tokens_respect_max_new_tokens_and_report_steps(engine):
     assert short["meta_info"]["jump_forward_steps"] == 4
 
 
+def test_small_jumps_in_a_large_batch_are_fed_by_decode_steps(engine):
+    """Forced tokens become one extend only when a step holds at least one per request; fewer
+    are fed by decode steps (no step saved), with the same outputs either way."""
+    grammar = {**GREEDY, "choices": ["QXZ"]}  # Q sampled, X and Z forced, then a stop sampled
+    plain = {**GREEDY, "max_new_tokens": 24, "ignore_eos": True}
+    alone = engine.generate(PROMPTS[0], grammar)
+    assert alone["text"] == "QXZ" and alone["meta_info"]["jump_forward_steps"] == 2
+    batch = [grammar] + [plain] * 6
+    jumped = engine.generate(PROMPTS[:7], batch)
+    assert "jump_forward_steps" not in jumped[0]["meta_info"]  # 2 forced tokens < 7 requests
+    jump_forward(engine, False)
+    stepped = engine.generate(PROMPTS[:7], batch)
+    jump_forward(engine, True)
+    assert [o["output_ids"] for o in jumped] == [o["output_ids"] for o in stepped]
+    assert jumped[0]["output_ids"] == alone["output_ids"]
+
+
 def test_grammar_end_wins_over_min_new_tokens(engine):
     for enabled in (False, True):
         jump_forward(engine, enabled)
