@@ -1,0 +1,305 @@
+"""Constrained decoding in the engine: JSON-schema batches against the same batch unconstrained.
+
+On the default model (32,000-token vocabulary, random weights), in one run and one engine:
+
+1. decode throughput of a batch of `--batch` greedy requests under one JSON schema, per grammar
+   backend, with jump-forward on and (for the default backend) off, against the same prompts
+   unconstrained with each request's `max_new_tokens` set to its output length in that
+   configuration (`ignore_eos`), so both sides generate exactly the same number of tokens.
+   Prompts are cached by a warm-up run, so each timed run is one 1-token prefill step and then
+   decoding.
+   Each configuration is timed against the unconstrained batch in adjacent pairs (which one
+   goes first alternates), `--repeats` times. "vs plain" is the median of the pairs'
+   throughput ratios, by wall time and by this process's CPU time; on a shared machine other
+   processes slow some runs at random, which the wall-time ratio suffers from and the CPU-time
+   ratio much less (the target is judged on it). "grammar time" is the share of the
+   constrained runs' wall time spent inside the scheduler's grammar manager (masks, accepts,
+   jump-forward walks). Every constrained output is checked with `jsonschema`.
+2. per-token mask time (median, p99) for each backend: `fill_bitmask` plus
+   `apply_token_bitmask_` on a vocabulary-wide row, replaying that backend's outputs.
+3. compile time (median, p90) for each backend over a seeded sample of JSONSchemaBench schemas
+   (`shared/data/jsonschemabench-dev.jsonl`), each compiled once, without a cache.
+4. decode steps saved by jump-forward: "forced tokens" counts, over the batch, the tokens
+   that took no decode step of their own (`meta_info.jump_forward_steps`); "decode steps"
+   counts the engine's batched decode steps for the whole batch. At batch 16 the scheduler
+   computes forced tokens in one extend only when the step holds at least one per request
+   (`JUMP_EXTEND_PER_REQUEST`), so fewer steps are saved there than for requests run one at a
+   time, which the last table shows (decode steps and latency per request, on and off).
+
+Target: constrained throughput >= 90% of unconstrained at batch 16.
+
+    python benchmarks/constrained.py
+    python benchmarks/constrained.py --repeats 5 --compile-schemas 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import table  # noqa: E402
+from grammar_engines import compile_all, load_schemas, percentile  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"enum": [21, 34, 55, 89]},
+        "email": {"type": "string", "maxLength": 24},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+            "required": ["city", "zip"],
+        },
+    },
+    "required": ["name", "age", "email", "role", "active", "tags", "address"],
+}
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Record {i}: describe user number {i} of the staff directory as JSON." for i in
+            range(n)]
+
+
+@dataclass
+class Run:
+    seconds: float
+    cpu_seconds: float  # this process's CPU time: not inflated by other processes' load
+    outs: list[dict]
+    decode_steps: int
+    grammar_seconds: float  # inside the grammar manager: masks, accepts, jump-forward walks
+
+
+class GrammarTimer:
+    """Wall time the scheduler spends in its grammar manager's per-step calls."""
+
+    def __init__(self, grammars) -> None:
+        self.seconds = 0.0
+        for name in ("apply_mask", "accept", "jump_forward"):
+            setattr(grammars, name, self._timed(getattr(grammars, name)))
+
+    def _timed(self, fn):
+        def timed_call(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed_call
+
+
+def timed(engine, timer: GrammarTimer, texts: list[str], params: list[dict]) -> Run:
+    before, grammar_before = engine.get_server_info()["decode_steps"], timer.seconds
+    start, cpu_start = time.perf_counter(), time.process_time()
+    outs = engine.generate(texts, params)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return Run(elapsed, cpu, outs, engine.get_server_info()["decode_steps"] - before,
+               timer.seconds - grammar_before)
+
+
+def set_jump_forward(engine, enabled: bool) -> None:
+    grammars = engine.scheduler.grammars
+    engine.client.call(lambda: setattr(grammars, "jump_forward_enabled", enabled))
+
+
+def check_outputs(outs: list[dict]) -> None:
+    import jsonschema
+
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+
+def mask_times(backend, outs: list[dict], vocab: int) -> list[float]:
+    """Per-token seconds of fill_bitmask + apply_token_bitmask_, replaying `outs`."""
+    from arborlm.constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_
+
+    grammar = backend.compile("json_schema", json.dumps(SCHEMA))
+    mask = allocate_token_bitmask(1, vocab)  # [1, W]
+    logits = torch.randn(1, vocab)  # [1, V]
+    times = []
+    for out in outs:
+        matcher = grammar.matcher()
+        for token in out["output_ids"]:
+            row = logits.clone()
+            start = time.perf_counter()
+            matcher.fill_bitmask(mask, 0)
+            apply_token_bitmask_(row, mask)
+            times.append(time.perf_counter() - start)
+            assert matcher.accept_token(token)
+    return times
+
+
+def run_throughput(engine, args, backends: list[str]) -> tuple[list[tuple], dict[str, list]]:
+    """Warm up every configuration, then time each against the unconstrained batch in adjacent
+    pairs (alternating which goes first), `args.repeats` times."""
+    texts = prompts(args.batch)
+    base = {"temperature": 0, "max_new_tokens": args.max_new_tokens,
+            "json_schema": json.dumps(SCHEMA)}
+    configs = [(f"{b}, jump-forward", [{**base, "grammar_backend": b}] * len(texts), True)
+               for b in backends]
+    configs.append((f"{backends[0]}, no jump-forward", configs[0][1], False))
+    outputs, plain = {}, {}
+    for label, params, _ in configs:
+        outputs[label] = engine.generate(texts, params)
+        check_outputs(outputs[label])
+        # The unconstrained twin: same prompts, each output exactly as long as constrained.
+        plain[label] = [{"temperature": 0, "max_new_tokens": len(o["output_ids"]),
+                         "ignore_eos": True} for o in outputs[label]]
+        engine.generate(texts, plain[label])
+    timer = GrammarTimer(engine.scheduler.grammars)
+    runs: dict[str, list[tuple[Run, Run]]] = {label: [] for label, _, _ in configs}
+    for repeat in range(args.repeats):
+        for label, params, jump in configs:
+            set_jump_forward(engine, jump)
+            pair = [("plain", plain[label]), ("constrained", params)]
+            order = pair if repeat % 2 == 0 else pair[::-1]
+            timings = {name: timed(engine, timer, texts, p) for name, p in order}
+            check_outputs(timings["constrained"].outs)
+            runs[label].append((timings["plain"], timings["constrained"]))
+    set_jump_forward(engine, True)
+    return summarize(runs), {label: outputs[label] for label, _, jump in configs if jump}
+
+
+def summarize(runs: dict[str, list[tuple[Run, Run]]]) -> list[tuple]:
+    """One row per configuration, after the unconstrained runs of the first one."""
+    def tokens(run: Run) -> int:
+        return sum(len(o["output_ids"]) for o in run.outs)
+
+    def ratio(pairs: list[tuple[Run, Run]], cpu: bool) -> str:
+        def seconds(run: Run) -> float:
+            return run.cpu_seconds if cpu else run.seconds
+
+        ratios = [tokens(c) / seconds(c) / (tokens(p) / seconds(p)) for p, c in pairs]
+        return f"{100 * statistics.median(ratios):.0f}%"
+
+    rows = []
+    for label, pairs in runs.items():
+        constrained = [c for _, c in pairs]
+        first = constrained[0]
+        grammar = statistics.median(c.grammar_seconds / c.seconds for c in constrained)
+        rows.append((label, tokens(first), first.decode_steps,
+                     sum(o["meta_info"].get("jump_forward_steps", 0) for o in first.outs),
+                     f"{statistics.median(tokens(c) / c.seconds for c in constrained):.0f}",
+                     ratio(pairs, cpu=False), ratio(pairs, cpu=True), f"{100 * grammar:.1f}%"))
+    plain_runs = [p for p, _ in next(iter(runs.values()))]
+    rows.insert(0, ("unconstrained", tokens(plain_runs[0]), plain_runs[0].decode_steps, 0,
+                    f"{statistics.median(tokens(p) / p.seconds for p in plain_runs):.0f}",
+                    "100%", "100%", "0.0%"))
+    return rows
+
+
+def verdict(rows: list[tuple]) -> str:
+    worst = min(int(row[6].rstrip("%")) for row in rows[1:])
+    return (f"target: constrained >= 90% of unconstrained (CPU-time ratio): "
+            f"{'met' if worst >= 90 else 'NOT met'} (lowest {worst}%)")
+
+
+def run_alone(engine, args, backend: str) -> list[tuple]:
+    """Jump-forward on and off for requests run one at a time (`--alone` of the prompts)."""
+    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens,
+              "json_schema": json.dumps(SCHEMA), "grammar_backend": backend}
+    timer = GrammarTimer(engine.scheduler.grammars)
+    runs: dict[bool, list[Run]] = {True: [], False: []}
+    for repeat in range(args.repeats):
+        for text in prompts(args.alone):
+            for jump in ((True, False) if repeat % 2 == 0 else (False, True)):
+                set_jump_forward(engine, jump)
+                runs[jump].append(timed(engine, timer, [text], [params]))
+    set_jump_forward(engine, True)
+    rows = []
+    for jump, label in ((False, "no jump-forward"), (True, "jump-forward")):
+        samples = runs[jump]
+        rows.append((f"{backend}, {label}",
+                     f"{statistics.median(r.decode_steps for r in samples):.0f}",
+                     f"{statistics.median(r.seconds for r in samples) * 1e3:.0f}",
+                     f"{statistics.median(r.cpu_seconds for r in samples) * 1e3:.0f}",
+                     f"{statistics.median(len(r.outs[0]['output_ids']) for r in samples):.0f}"))
+    return rows
+
+
+def compile_rows(engine, args, backends: list[str]) -> list[tuple]:
+    from arborlm.constrained.base import create_grammar_backend
+
+    schemas = load_schemas(args.compile_schemas, args.seed)
+    rows = []
+    for name in backends:
+        backend = create_grammar_backend(name, engine.tokenizer, engine.config.model.vocab_size,
+                                         list(engine.scheduler.results.eos_ids),
+                                         compile_timeout_s=args.compile_timeout)
+        _, outcome, times = compile_all(backend, schemas)
+        rows.append((name, f"{outcome['compiled']}/{len(schemas)}", outcome["refused"],
+                     outcome["timed out"], f"{percentile(times, 50) * 1e3:.1f}",
+                     f"{percentile(times, 90) * 1e3:.1f}"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=None, help="default: the built-in default model")
+    ap.add_argument("--dtype", default="float32", help="engine dtype (auto, float32, bfloat16)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--alone", type=int, default=4,
+                    help="prompts also run one at a time, jump-forward on and off")
+    ap.add_argument("--backends", default="xgrammar,outlines")
+    ap.add_argument("--compile-schemas", type=int, default=20,
+                    help="JSONSchemaBench schemas for the compile-time figures")
+    ap.add_argument("--compile-timeout", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from arborlm.constrained.base import create_grammar_backend
+    from arborlm.runtime.engine import Engine
+
+    backends = args.backends.split(",")
+    engine = Engine(args.model_path, dtype=args.dtype)
+    vocab = engine.config.model.vocab_size
+    dtype = str(engine.config.model.dtype).removeprefix("torch.")
+    print(f"model {engine.config.model.path} (vocabulary {vocab}, {dtype}), batch {args.batch}, "
+          f"greedy, {args.repeats} repeats, torch threads {torch.get_num_threads()}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    rows, outputs = run_throughput(engine, args, backends)
+    print("decode throughput (same prompts and output lengths)")
+    print(table(rows, ("configuration", "tokens", "decode steps", "forced tokens", "tok/s",
+                       "vs plain (wall)", "vs plain (CPU)", "grammar time")))
+    print(verdict(rows))
+    alone = run_alone(engine, args, backends[0])
+    print(f"\none request at a time ({args.alone} prompts; medians)")
+    print(table(alone, ("configuration", "decode steps", "latency ms", "CPU ms", "tokens")))
+    mask_table = []
+    for name in backends:
+        backend = create_grammar_backend(name, engine.tokenizer, vocab,
+                                         list(engine.scheduler.results.eos_ids))
+        times = mask_times(backend, outputs[f"{name}, jump-forward"], vocab)
+        mask_table.append((name, len(times), f"{percentile(times, 50) * 1e6:.1f}",
+                           f"{percentile(times, 99) * 1e6:.1f}"))
+    print(f"\nmask per token: fill_bitmask + apply_token_bitmask_ on a {vocab}-wide row")
+    print(table(mask_table, ("backend", "tokens", "p50 us", "p99 us")))
+    compiled = compile_rows(engine, args, backends)
+    print(f"\ncompile: {args.compile_schemas} JSONSchemaBench schemas (seed {args.seed}), "
+          f"limit {args.compile_timeout:g} s, no cache")
+    print(table(compiled, ("backend", "compiled", "refused", "timed out", "p50 ms", "p90 ms")))
+    sys.stdout.flush()
+    engine.shutdown()
+    os._exit(0)  # do not wait for compiles abandoned at their time limit
+
+
+if __name__ == "__main__":
+    main()
