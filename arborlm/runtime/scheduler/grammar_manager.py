@@ -18,10 +18,11 @@ grammar` is (kind, spec)):
    are untouched). `accept(req, token)` advances the matcher; `is_terminated(req)` means the
    request finishes with `stop`.
 4. Jump-forward: `jump_forward(req, limit)` lists the tokens the grammar forces next. The result
-   processor appends them (logprob 0.0: each is the only token the mask leaves), and the
-   scheduler computes their KV in the next step, an extend of 1 + len(forced) tokens for that
-   request, instead of one decode step per token. Every forced token is the only legal one, so
-   outputs are those of decoding token by token, greedy or sampled.
+   processor appends them (logprob 0.0: each is the only token the mask leaves) without masking
+   or sampling them, and the scheduler computes their KV: in one extend step when the batch
+   holds enough forced tokens (always for a lone request), else one per decode step. Every
+   forced token is the only legal one, so outputs are those of decoding token by token, greedy
+   or sampled.
 5. `release(req)` on finish or abort drops the matcher, or cancels the pending compile.
    Retraction keeps the matcher: the output tokens are kept, and it has accepted exactly them.
 
