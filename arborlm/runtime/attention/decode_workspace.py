@@ -82,6 +82,11 @@ class DecodeWorkspace:
         self.rows, self.lens, self.pool = batch.req_pool_indices.tolist(), list(lens), pool
         return True
 
+    @property
+    def capacity(self) -> int:
+        """Positions each request has room for."""
+        return self.k[0].shape[2] if self.k else 0
+
     def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a layer's gathered history, k/v `[Hkv, B, L, D]`."""
         width = k.shape[2]

@@ -54,6 +54,13 @@ class _ExtendMeta:
     masks: list[torch.Tensor | None]  # per request: [ext, seq_len] bool (True = attend) or None
 
 
+def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """`[1, B, 1, width]` float32: 0 for positions below each request's length, else -inf."""
+    pos = torch.arange(width, device=seq_lens.device)
+    mask = torch.zeros((1, seq_lens.shape[0], 1, width), dtype=torch.float32, device=pos.device)
+    return mask.masked_fill_(pos >= seq_lens[:, None, None], float("-inf"))
+
+
 def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Slots `[...]` -> rows `[Hkv * ...]` of a `[num_slots * Hkv, D]` view, head-major."""
     heads = torch.arange(num_kv_heads, device=slots.device).view(-1, *([1] * slots.dim()))
@@ -142,20 +149,30 @@ class TorchNativeBackend(AttentionBackend):
     # --- decode -------------------------------------------------------------------------------
 
     def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
-        if self.workspace.continues(batch):
-            bsz, width = batch.batch_size, max(batch.seq_lens_cpu)
-            pos = torch.arange(width, device=batch.seq_lens.device)
-            mask = torch.zeros((1, bsz, 1, width), dtype=torch.float32, device=pos.device)
-            mask.masked_fill_(pos >= batch.seq_lens[:, None, None], float("-inf"))
-            heads = torch.arange(batch.kv_pool.num_kv_heads, device=pos.device)[:, None]
-            index = (heads, torch.arange(bsz, device=pos.device)[None, :],
+        ws = self.workspace
+        if ws.continues(batch):
+            heads = torch.arange(batch.kv_pool.num_kv_heads, device=batch.seq_lens.device)
+            index = (heads[:, None], torch.arange(batch.batch_size, device=heads.device)[None, :],
                      (batch.seq_lens - 1)[None, :])  # [Hkv, 1], [1, B], [1, B]
-            return _DecodeMeta(index=None, mask=mask, width=width, prefix_index=None,
-                               prefix_len=0, workspace="append", append_index=index)
+            width = self._workspace_width(batch)
+            return _DecodeMeta(index=None, mask=_padding_mask(batch.seq_lens, width),
+                               width=width, prefix_index=None, prefix_len=0,
+                               workspace="append", append_index=index)
         meta = self._gather_metadata(batch)
-        if meta.prefix_index is None and self.workspace.prepare(batch):
+        if meta.prefix_index is None and ws.prepare(batch):
             meta.workspace = "fill"
+            width = self._workspace_width(batch)
+            if width != meta.width:
+                meta.mask, meta.width = _padding_mask(batch.seq_lens, width), width
         return meta
+
+    def _workspace_width(self, batch: ForwardBatch) -> int:
+        """Keys attended per request from the workspace. float32: the longest sequence (the
+        strided view is fastest); half precision: the whole capacity, as its batched matmuls
+        are ~1.6x faster on a contiguous operand than on the strided one, padding and all."""
+        if batch.kv_pool.dtype == torch.float32:
+            return max(batch.seq_lens_cpu)
+        return self.workspace.capacity
 
     @staticmethod
     def _gather_metadata(batch: ForwardBatch) -> _DecodeMeta:
@@ -205,10 +222,13 @@ class TorchNativeBackend(AttentionBackend):
             return self.workspace.view(lid, meta.width)
         k = batch.kv_pool.k_buffer[lid].view(-1, d).index_select(0, meta.index)  # [Hkv*B*L, D]
         v = batch.kv_pool.v_buffer[lid].view(-1, d).index_select(0, meta.index)
+        width = meta.index.numel() // (layer.num_kv_heads * batch.batch_size)  # L gathered
         if meta.workspace == "fill":
-            shape = (layer.num_kv_heads, -1, meta.width, d)
+            shape = (layer.num_kv_heads, -1, width, d)
             self.workspace.fill(lid, k.view(shape), v.view(shape))
-        return k.view(-1, meta.width, d), v.view(-1, meta.width, d)
+            if width != meta.width:
+                return self.workspace.view(lid, meta.width)
+        return k.view(-1, width, d), v.view(-1, width, d)
 
     def _decode(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:

@@ -2,10 +2,13 @@
 
 Extend steps with and without cached prefixes, decode steps over scattered slots, and decode
 batches whose requests share a cached prefix (same KV slots, as the radix cache hands them out),
-which take the cascade path: the prefix's K/V read once for the whole batch.
+which take the cascade path: the prefix's K/V read once for the whole batch; and two
+consecutive decode steps, the second appending to the decode workspace.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -65,3 +68,27 @@ def test_no_cascade_below_the_threshold_or_alone():
     run_backend(TorchNativeBackend(), case)
     assert case.batch.attn_metadata.prefix_index is None  # 10 < CASCADE_MIN_PREFIX
     assert_close(run_backend(TorchNativeBackend(), case), dense_reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("layout", ["gqa2", "mqa"])
+def test_decode_workspace_fill_then_append(layout, dtype):
+    """Two consecutive decode steps of one backend: the second appends to the workspace."""
+    heads, kv_heads, head_dim = LAYOUTS[layout]
+    case = make_case([20, 31, 12, 7], [1] * 4, heads, kv_heads, head_dim, 1, dtype,
+                     decode=True, seed=5)
+    b = case.batch
+    rows = b.req_pool_indices
+    table = b.req_to_token_pool.req_to_token
+    first = make_case([19, 30, 11, 6], [1] * 4, heads, kv_heads, head_dim, 1, dtype,
+                      decode=True, seed=6)  # its q/k/v play the previous step's
+    prev = dataclasses.replace(b, seq_lens=b.seq_lens - 1,
+                               seq_lens_cpu=[n - 1 for n in b.seq_lens_cpu],
+                               out_cache_loc=table[rows, b.seq_lens - 2])
+    backend = TorchNativeBackend()
+    step1 = dataclasses.replace(case, batch=prev, q=first.q, k=first.k, v=first.v)
+    assert_close(run_backend(backend, step1), dense_reference(step1).to(dtype), dtype)
+    assert prev.attn_metadata.workspace == "fill"
+    out = run_backend(backend, case)
+    assert b.attn_metadata.workspace == "append"
+    assert_close(out, dense_reference(case).to(dtype), dtype)
