@@ -14,9 +14,9 @@ import arborlm as sgl
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 20},
+        "name": {"type": "string", "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"type": "string", "maxLength": 20},
+        "city": {"type": "string", "maxLength": 12},
     },
     "required": ["name", "age", "city"],
     "additionalProperties": False,
@@ -27,7 +27,7 @@ PERSON_SCHEMA = {
 def extract_person(s, text):
     s += sgl.system("Extract the person described in the text as JSON.")
     s += sgl.user(text)
-    s += sgl.assistant(sgl.gen("person", json_schema=PERSON_SCHEMA, max_tokens=64))
+    s += sgl.assistant(sgl.gen("person", json_schema=PERSON_SCHEMA, max_tokens=256))
 
 
 def main(argv: list[str] | None = None) -> sgl.ProgramState:
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> sgl.ProgramState:
         try:
             print("parsed:", json.loads(state["person"]))
         except json.JSONDecodeError:
-            print("not valid JSON: this runtime does not enforce json_schema yet")
+            reason = state.get_meta_info("person")["finish_reason"]
+            print(f"not valid JSON: generation ended early ({reason})")
         return state
 
 
