@@ -92,8 +92,10 @@ class PagedAllocator:
     def clear(self) -> None:
         # pop() from the end: lower pages are handed out first
         self._free_pages: list[int] = list(range(self.num_pages - 1, 0, -1))
-        self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
-        self._is_free[0] = False
+        # 1 = free, per page; a bytearray, as a decode step allocates a page per request and a
+        # tensor write per allocation costs more than the allocation itself.
+        self._is_free = bytearray(b"\x01") * self.num_pages
+        self._is_free[0] = 0
 
     @property
     def total_size(self) -> int:
@@ -110,8 +112,9 @@ class PagedAllocator:
         pages = self._free_pages[-n:] if n else []
         del self._free_pages[len(self._free_pages) - n:]
         pages.reverse()
-        if pages:
-            self._is_free[pages] = False
+        is_free = self._is_free
+        for page in pages:
+            is_free[page] = 0
         return pages
 
     def pages_needed(self, start: int, end: int) -> int:
@@ -153,10 +156,13 @@ class PagedAllocator:
         if slots.numel() == 0:
             return
         pages = torch.unique(slots // self.page_size) if self.page_size > 1 else slots
-        assert not bool(self._is_free[pages].any()), "KV page freed twice"
-        assert not bool((pages == 0).any()), "padding page freed"
-        self._is_free[pages] = True
-        self._free_pages.extend(pages.tolist())
+        page_list = pages.tolist()
+        is_free = self._is_free
+        for page in page_list:
+            assert page != 0, "padding page freed"
+            assert not is_free[page], "KV page freed twice"
+            is_free[page] = 1
+        self._free_pages.extend(page_list)
 
     def free_page_set(self) -> set[int]:
         return set(self._free_pages)
