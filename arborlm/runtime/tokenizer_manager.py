@@ -11,8 +11,11 @@ entries, then the final object), so both engine modes answer alike.
 A receiver thread owns the socket from the detokenizer and routes each entry to its request's
 asyncio queue (`call_soon_threadsafe`, one call per event loop per message); control replies
 (flush, server info, health) resolve futures in the order the requests were sent, which the
-one-way pipeline preserves. `fail_all(error)` ends every pending call with `error` (the
-multi-process client calls it when a child dies); later calls raise at once.
+one-way pipeline preserves. A sequence the scheduler refuses before generating anything (a 400:
+a grammar that does not compile, an invalid request) makes the call raise `GrammarError` /
+`InvalidRequestError`, as the in-process client raises those before queueing.
+`fail_all(error)` ends every pending call with `error` (the multi-process client calls it when
+a child dies); later calls raise at once.
 
 This module imports no model, scheduler or torch code: the API process stays light. Process
 management (spawning, liveness, shutdown) is `MultiProcessClient`'s job.
@@ -31,7 +34,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from arborlm.errors import EngineDeadError, MessageDecodeError
+from arborlm.errors import EngineDeadError, GrammarError, InvalidRequestError, MessageDecodeError
 from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, prepare_request
 from arborlm.runtime.ipc import IpcAddresses
 from arborlm.runtime.messages import (
@@ -85,6 +88,7 @@ class _Sequence:
         self._sent = {k: 0 for k in LOGPROB_KEYS}
         self.finished = False
         self.detached = False  # the caller stopped listening; events are dropped
+        self.delivered = False  # an event of this sequence has reached its caller
 
     def add(self, out: BatchTextOutput, i: int) -> dict[str, Any] | None:
         """Apply entry `i` of `out`; return the event to deliver (None: nothing to say yet)."""
@@ -100,6 +104,21 @@ class _Sequence:
         if out.finished_reasons[i] is not None:
             self._finish(out.finished_reasons[i])
         return self.event()
+
+    def item(self, event: dict[str, Any]) -> tuple[int, dict[str, Any]] | InvalidRequestError:
+        """What the caller's queue gets for `event`: (index, event), or the error to raise when
+        the scheduler refused the request (a 400 abort before anything was generated: a grammar
+        that does not compile, an invalid request) — the in-process client raises those before
+        queueing the request."""
+        reason = event["meta_info"]["finish_reason"]
+        if not self.delivered and not self.output_ids and reason is not None \
+                and reason["type"] == "abort" and reason.get("status_code") == 400:
+            grammar = self.single.sampling_params.grammar
+            if grammar is not None:
+                return GrammarError(reason["message"], param=grammar[0])
+            return InvalidRequestError(reason["message"])
+        self.delivered = True
+        return self.index, event
 
     def fail(self, message: str, status_code: int) -> dict[str, Any] | None:
         self._finish({"type": "abort", "message": message, "status_code": status_code})
@@ -352,7 +371,7 @@ class TokenizerManager:
                 if seq.finished:
                     del self._seqs[rid]
                 if event is not None and not seq.detached:
-                    by_loop.setdefault(seq.loop, []).append((seq.queue, (seq.index, event)))
+                    by_loop.setdefault(seq.loop, []).append((seq.queue, seq.item(event)))
         for loop, items in by_loop.items():
             _call_in(loop, items)
 
@@ -365,7 +384,7 @@ class TokenizerManager:
             if self._error is None:  # it may still run in the scheduler (a detokenizer error)
                 self._send.put(AbortReq(rid=err.rid))
         if event is not None and not seq.detached:
-            _call_in(seq.loop, [(seq.queue, (seq.index, event))])
+            _call_in(seq.loop, [(seq.queue, seq.item(event))])
 
     def _reply(self, kind: type, value: Any) -> None:
         with self._lock:

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from arborlm import Engine
-from arborlm.errors import EngineDeadError, InvalidRequestError
+from arborlm.errors import EngineDeadError, GrammarError, InvalidRequestError
 from arborlm.runtime.detokenizer import decode_text
 from arborlm.runtime.detokenizer_process import DetokenizerService
 from arborlm.runtime.generate_request import GenerateRequest
@@ -225,21 +225,32 @@ def test_abort_mid_generation_frees_kv(multiproc):
 
 
 def test_error_in_one_request_ends_only_that_request(multiproc):
+    """A request the scheduler process refuses (here: sampling values past the API side's
+    checks) raises for its caller alone; a concurrent request and the engine carry on."""
     tm = multiproc.client.tm
     bad = GenerateRequest(text="Hello", sampling_params={"max_new_tokens": 4}).normalize()[0]
-    bad.sampling_params.top_p = 5.0  # past the API side's checks; the scheduler rejects it
+    bad.sampling_params.top_p = 5.0
 
     async def run():
         good = asyncio.ensure_future(multiproc.async_generate("The quick brown fox", GREEDY))
-        events = [e async for _, e in tm.generate_prepared([(bad, tm.tokenizer.encode("Hello"))])]
-        return events, await good
+        with pytest.raises(InvalidRequestError, match=r"top_p must be in \(0, 1\]"):
+            async for _ in tm.generate_prepared([(bad, tm.tokenizer.encode("Hello"))]):
+                pass
+        return await good
 
-    events, good = asyncio.run(asyncio.wait_for(run(), 60))
-    reason = events[-1]["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and reason["status_code"] == 400
-    assert "top_p" in reason["message"]
+    good = asyncio.run(asyncio.wait_for(run(), 60))
     assert good["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
     assert multiproc.healthy()
+    multiproc.check_integrity()
+
+
+def test_bad_grammar_raises_as_inprocess(inproc, multiproc):
+    errors = []
+    for engine in (inproc, multiproc):
+        with pytest.raises(GrammarError) as info:
+            engine.generate(["Hello", "Hi"], [GREEDY, {**GREEDY, "regex": "(unclosed"}])
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and "regex" in errors[1]
     multiproc.check_integrity()
 
 

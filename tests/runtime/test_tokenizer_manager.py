@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from arborlm.errors import EngineDeadError, InvalidRequestError
+from arborlm.errors import EngineDeadError, GrammarError, InvalidRequestError
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.runtime.ipc import IpcAddresses
@@ -107,18 +107,34 @@ def test_invalid_request_raises_before_anything_is_sent(pipe):
     assert pipe.inbox.get(timeout=0.2) is None
 
 
-def test_error_output_ends_the_request_and_aborts_it(pipe):
+def _answer_with_error(pipe, req: GenerateRequest, error: ErrorOutput):
     async def run():
-        events = pipe.tm.generate(GenerateRequest(text="hi", rid="e1"))
+        events = pipe.tm.generate(req)
         first = asyncio.ensure_future(_next(events))
         await asyncio.to_thread(pipe.received)
-        pipe.outbox.put(ErrorOutput(rid="e1", message="grammar failed", status_code=400))
+        pipe.outbox.put(error)
         return await first
 
-    index, event = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_error_output_ends_the_request_and_aborts_it(pipe):
+    error = ErrorOutput(rid="e1", message="detokenizer: boom", status_code=500)
+    index, event = _answer_with_error(pipe, GenerateRequest(text="hi", rid="e1"), error)
     assert event["meta_info"]["finish_reason"] == {
-        "type": "abort", "message": "grammar failed", "status_code": 400}
+        "type": "abort", "message": "detokenizer: boom", "status_code": 500}
     assert pipe.received() == AbortReq(rid="e1")
+
+
+@pytest.mark.parametrize("params,error", [
+    ({}, InvalidRequestError), ({"regex": "("}, GrammarError)])
+def test_refusal_before_any_output_raises(pipe, params, error):
+    """A 400 from the scheduler before anything was generated raises, as in-process."""
+    req = GenerateRequest(text="hi", rid="e2", sampling_params=params)
+    refusal = ErrorOutput(rid="e2", message="refused", status_code=400)
+    with pytest.raises(error, match="refused") as info:
+        _answer_with_error(pipe, req, refusal)
+    assert info.value.param == ("regex" if params else None)
 
 
 def test_closing_the_stream_early_aborts_the_request(pipe):
