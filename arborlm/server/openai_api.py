@@ -109,7 +109,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         logprob_start_len=0 if body.echo and wants_lp else -1, priority=body.priority)
     echoes = None
     if body.echo:
-        echoes = texts if texts is not None else [state.tokenizer.decode(p) for p in ids]
+        echoes = texts if texts is not None else [_decode_echo(state, p) for p in ids]
     reply = _Reply(base, "text_completion", state.model_name, body.n, wants_lp,
                    body.include_usage, request.url.path)
     events = state.runner.events(req, "max_tokens")
@@ -122,6 +122,16 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                                      echo=None if echoes is None else echoes[i // body.n])
                for i, f in enumerate(finals)]
     return JSONResponse(reply.envelope(choices, usage=fmt.usage(finals, body.n)))
+
+
+def _decode_echo(state: Any, ids: list[int]) -> str:
+    """The text of a token-id prompt to echo; ids outside the vocabulary are the caller's error
+    (checked here because decoding comes before the engine validates the prompt)."""
+    vocab = state.client.config.model.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt")
+    return state.tokenizer.decode(ids)
 
 
 def _prompts(prompt: Any) -> tuple[list[str] | None, list[list[int]] | None]:

@@ -209,6 +209,8 @@ def test_content_parts_and_response_format_text(client):
     ({"stop": ["x"] * 100}, "stop"),
     ({"extra_body": {"top_k": 0}}, "top_k"),
     ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
+    # regression: echo decoded out-of-vocabulary ids before validation and answered 500
+    ({"prompt": [-2147483648], "echo": True}, "prompt"),
 ])
 def test_completion_errors_use_openai_error_body(client, kwargs, param):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **kwargs}
