@@ -6,10 +6,11 @@ K/V is streamed three times (read from the pool, written to the copy, read by th
 While the same requests decode step after step, the workspace keeps last step's padded batch
 and appends each request's new token to it, so a step streams the history once.
 
-It is valid only while the batch is exactly the previous decode step's requests, in the same
-order, each one token longer, on the same pool, with each one's previous token still at the slot
-that step wrote, and no other step in between; anything else (an extend step, a request joining
-or leaving, a retraction, a cache rewrite) makes the next step refill it from the pool. Slots
+It is valid only while the batch is the previous decode step's requests, in the same order,
+each one token longer, on the same pool, with each one's previous token still at the slot that
+step wrote, and no other step in between. Requests that finished (or were retracted) since are
+dropped from it by one copy of the others' rows; anything else (an extend step, a request
+joining, a reordering, a cache rewrite) makes the next step refill it from the pool. Slots
 past a request's length hold finite stale values that the attention mask hides. Its size is
 bounded by `MAX_BYTES`; a batch that would need more decodes from the pool as before.
 
@@ -45,23 +46,40 @@ class DecodeWorkspace:
         self.rows = None
 
     def continues(self, batch: ForwardBatch) -> bool:
-        """Whether this decode step is the last one's requests, in order, one token longer, on
-        the same pool, each one's previous token still at the slot the last step wrote (and it
-        fits): then the step appends. Records the step either way."""
-        rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens_cpu
-        ok = (rows == self.rows and self.pool is batch.kv_pool and bool(self.k)
-              and max(lens) <= self.k[0].shape[2]
-              and all(n == prev + 1 for n, prev in zip(lens, self.lens)))
+        """Whether this decode step continues the last one: its requests are the last step's
+        (some may have left; none joined; same order), each one token longer, on the same pool,
+        each one's previous token still at the slot the last step wrote, and they fit. Then the
+        step appends (after dropping the rows of requests that left). Records the step."""
+        keep = self._kept(batch)
+        ok = keep is not None and max(batch.seq_lens_cpu) <= self.capacity
         if ok:
             table = batch.req_to_token_pool.req_to_token
             prev_slots = table[batch.req_pool_indices, batch.seq_lens - 2]  # [B]
-            ok = bool(torch.equal(prev_slots, self.last_loc))
+            dropped = len(keep) < len(self.lens)
+            kept = torch.tensor(keep, device=prev_slots.device) if dropped else None
+            ok = bool(torch.equal(prev_slots, self.last_loc if kept is None
+                                  else self.last_loc[kept]))
+            if ok and kept is not None:  # requests left: keep the others' rows, in order
+                self.k = [k.index_select(1, kept) for k in self.k]
+                self.v = [v.index_select(1, kept) for v in self.v]
         if ok:
-            self.lens = list(lens)
+            self.rows, self.lens = batch.req_pool_indices.tolist(), list(batch.seq_lens_cpu)
         else:
             self.invalidate()
         self.last_loc = batch.out_cache_loc
         return ok
+
+    def _kept(self, batch: ForwardBatch) -> list[int] | None:
+        """Positions in the last step's batch of this step's requests, when it continues it."""
+        if self.rows is None or not self.k or self.pool is not batch.kv_pool:
+            return None
+        where = {row: i for i, row in enumerate(self.rows)}
+        keep = [where.get(row, -1) for row in batch.req_pool_indices.tolist()]
+        if -1 in keep or any(a >= b for a, b in zip(keep, keep[1:])):
+            return None  # a request joined, or the order changed
+        if any(n != self.lens[i] + 1 for n, i in zip(batch.seq_lens_cpu, keep)):
+            return None
+        return keep
 
     def prepare(self, batch: ForwardBatch) -> bool:
         """Size the buffers for a new batch (each layer then `fill`s them from its gather);

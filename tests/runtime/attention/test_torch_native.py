@@ -92,3 +92,31 @@ def test_decode_workspace_fill_then_append(layout, dtype):
     out = run_backend(backend, case)
     assert b.attn_metadata.workspace == "append"
     assert_close(out, dense_reference(case).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_decode_workspace_drops_requests_that_left(dtype):
+    """A request leaving between two decode steps: the others' rows are kept and appended to."""
+    heads, kv_heads, head_dim = LAYOUTS["gqa2"]
+    case = make_case([20, 31, 12, 7], [1] * 4, heads, kv_heads, head_dim, 1, dtype,
+                     decode=True, seed=7)
+    b = case.batch
+    table = b.req_to_token_pool.req_to_token
+    first = make_case([19, 30, 11, 6], [1] * 4, heads, kv_heads, head_dim, 1, dtype,
+                      decode=True, seed=8)
+    prev = dataclasses.replace(b, seq_lens=b.seq_lens - 1,
+                               seq_lens_cpu=[n - 1 for n in b.seq_lens_cpu],
+                               out_cache_loc=table[b.req_pool_indices, b.seq_lens - 2])
+    backend = TorchNativeBackend()
+    run_backend(backend, dataclasses.replace(case, batch=prev, q=first.q, k=first.k, v=first.v))
+    keep = torch.tensor([0, 2, 3])  # request 1 finished
+    rest = dataclasses.replace(
+        b, batch_size=3, req_pool_indices=b.req_pool_indices[keep], seq_lens=b.seq_lens[keep],
+        seq_lens_cpu=[b.seq_lens_cpu[i] for i in keep.tolist()],
+        out_cache_loc=b.out_cache_loc[keep], input_ids=b.input_ids[keep],
+        positions=b.positions[keep])
+    step2 = dataclasses.replace(case, batch=rest, q=case.q[keep], k=case.k[keep],
+                                v=case.v[keep])
+    out = run_backend(backend, step2)
+    assert rest.attn_metadata.workspace == "append"
+    assert_close(out, dense_reference(step2).to(dtype), dtype)
