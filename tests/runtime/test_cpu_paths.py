@@ -88,13 +88,18 @@ def test_packed_linear_matches_f_linear(dtype):
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(256, 384, bias=True).to(dtype)
     packed = cpu_linear.PackedLinear(linear)
-    for rows in (1, 5, 64, 200):  # every path: one row, packed rows, prefill rows
-        x = torch.randn(rows, 256, generator=gen).to(dtype)
-        expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
-        if dtype == torch.bfloat16:  # the same oneDNN kernels as F.linear: bit-identical
-            assert torch.equal(packed(x), expected)
-        else:
-            torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, rows in [(1, 1), (2, 1), (2, 5), (2, 64), (2, 200)]:  # every path
+            torch.set_num_threads(n_threads)
+            x = torch.randn(rows, 256, generator=gen).to(dtype)
+            expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            if dtype == torch.bfloat16:  # the same oneDNN kernels as F.linear: bit-identical
+                assert torch.equal(packed(x), expected)
+            else:
+                torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decode_workspace_matches_transformers(make_tiny_model, monkeypatch):

@@ -4,11 +4,13 @@ On CPU, `F.linear` hands its weight to MKL (float32) or oneDNN (bfloat16) in pla
 layout on every call, and the library copies it into its blocked layout each time: for the
 small batches of decoding that copy costs as much as the product. `pack_linears` does it once,
 after loading (`torch.ops.mkldnn._reorder_linear_weight`, as torch.compile's CPU freezing pass
-does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for 2-64 rows (bfloat16:
-1-64). Larger batches (prefill) stay on `F.linear`, faster there; one float32 row runs as
-`x @ W^T` with the weight stored transposed, MKL's fastest float32 GEMV. Measured on a 2-core
-AVX512-BF16 machine, one thread, the 32M benchmark model's weights: float32 1 row 10 -> 15
-GB/s, 32 rows 57 -> 87 GFLOP/s; bfloat16 1 row 7.5 -> 12 GB/s, 32 rows 119 -> 163 GFLOP/s.
+does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for 1-64 rows. Larger
+batches (prefill) stay on `F.linear`, faster there; with one thread, one float32 row runs as
+`x @ W^T` with the weight stored transposed, MKL's fastest single-thread float32 GEMV (MKL does
+not split it over threads; oneDNN does). Measured on a 2-core AVX512-BF16 machine, the 32M
+benchmark model's weights: float32 1 row 10 -> 15 GB/s (one thread), 11 -> 22 GB/s (two);
+32 rows 57 -> 87 GFLOP/s (one thread); bfloat16 1 row 7.5 -> 12 GB/s (one), 15 -> 24 GB/s
+(two); 32 rows 119 -> 163 GFLOP/s (one).
 bfloat16 results are bit-identical to `F.linear` (the same oneDNN kernels); float32 ones differ
 from it in the last bits (other summation orders). Both copies of each weight are kept, so the
 linear weights take twice their memory.
@@ -55,7 +57,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
         rows = x.shape[0]
-        if rows <= PACKED_MAX_ROWS and not (self.fp32 and rows == 1):
+        single_gemv = self.fp32 and rows == 1 and torch.get_num_threads() == 1
+        if rows <= PACKED_MAX_ROWS and not single_gemv:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self.fp32:
             return F.linear(x, self.plain, self.bias)
