@@ -158,6 +158,14 @@ class GrammarBackend(abc.ABC):
     any_whitespace: bool
     compile_timeout_s: float
 
+    def __init__(self, vocab: TokenVocab, *, any_whitespace: bool = False,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S):
+        self.vocab = vocab
+        self.vocab_size = vocab.vocab_size
+        self.stop_token_ids = vocab.stop_token_ids
+        self.any_whitespace = any_whitespace
+        self.compile_timeout_s = compile_timeout_s
+
     def compile(self, kind: str, spec: str) -> CompiledGrammar:
         """Compile `spec` of grammar `kind` (one of `GRAMMAR_KINDS`)."""
         if kind not in GRAMMAR_KINDS:

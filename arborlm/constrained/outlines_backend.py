@@ -46,11 +46,8 @@ class OutlinesBackend(GrammarBackend):
 
     def __init__(self, vocab: TokenVocab, *, any_whitespace: bool = False,
                  compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S):
-        self.vocab = vocab
-        self.vocab_size = vocab.vocab_size
-        self.stop_token_ids = vocab.stop_token_ids
-        self.any_whitespace = any_whitespace
-        self.compile_timeout_s = compile_timeout_s
+        super().__init__(vocab, any_whitespace=any_whitespace,
+                         compile_timeout_s=compile_timeout_s)
         self.whitespace = f"[ \\t\\n\\r]{{0,{ANY_WHITESPACE_MAX_RUN}}}" if any_whitespace \
             else "[ ]?"
         self._vocabulary = outlines_core.Vocabulary(vocab.stop_token_ids[0],

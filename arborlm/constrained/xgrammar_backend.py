@@ -51,11 +51,8 @@ class XGrammarBackend(GrammarBackend):
 
     def __init__(self, vocab: TokenVocab, *, any_whitespace: bool = False,
                  compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S):
-        self.vocab = vocab
-        self.vocab_size = vocab.vocab_size
-        self.stop_token_ids = vocab.stop_token_ids
-        self.any_whitespace = any_whitespace
-        self.compile_timeout_s = compile_timeout_s
+        super().__init__(vocab, any_whitespace=any_whitespace,
+                         compile_timeout_s=compile_timeout_s)
         self.tokenizer_info = xgr.TokenizerInfo(
             list(vocab.decoded), xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
             stop_token_ids=list(vocab.stop_token_ids), add_prefix_space=vocab.add_prefix_space)
