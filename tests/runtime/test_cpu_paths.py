@@ -1,6 +1,6 @@
 """The CPU speed paths keep greedy decoding equal to transformers, token for token (float32).
 
-Cascade decode (a batch whose requests share a cached prefix reads it once), the decode
+Cascade decode (groups of a batch that share a cached prefix read it once each), the decode
 workspace, batch-1 decode, prompts prefilled without reading the pool and oneDNN-prepacked
 linears are all checked end to end; plus the `dtype=auto` rule (bfloat16 on CPUs with native
 bfloat16) on fake `/proc/cpuinfo` files.
@@ -19,21 +19,26 @@ from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 
 def test_cascade_decode_matches_transformers(make_tiny_model, monkeypatch):
+    """Two groups of prompts on two cached prefixes, plus one prompt on neither: the decode
+    steps run through the cascade path with two groups, and greedy outputs equal transformers'."""
     path = str(make_tiny_model("llama"))
-    calls = []
+    groups = []
     cascade = torch_native.TorchNativeBackend._cascade
 
     def counting(*args):
-        calls.append(1)
+        groups.append(args[5].num_groups)
         return cascade(*args)
 
     monkeypatch.setattr(torch_native.TorchNativeBackend, "_cascade", staticmethod(counting))
-    shared = [(7 * i) % 400 + 10 for i in range(90)]  # > CASCADE_MIN_PREFIX tokens
-    prompts = [shared + [20 + j, 30 + j, 40 + 2 * j] for j in range(4)]
+    shared = [[(7 * i) % 400 + 10 for i in range(90)],
+              [(11 * i) % 300 + 20 for i in range(120)]]  # > CASCADE_MIN_PREFIX tokens
+    prompts = [shared[j % 2] + [20 + j, 30 + j, 40 + 2 * j] for j in range(6)]
+    prompts.append([(5 * i) % 200 + 8 for i in range(50)])
     engine = Engine(path, dtype="float32", debug_integrity=True)
-    engine.generate(input_ids=shared + [5], sampling_params={"max_new_tokens": 1})  # cache it
+    engine.generate(input_ids=[s + [5] for s in shared],
+                    sampling_params={"max_new_tokens": 1})  # cache both prefixes
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    assert calls, "the batch never took the cascade path"
+    assert 2 in groups, "the batch never took the cascade path with both groups"
     for prompt, out in zip(prompts, outs):
         assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
     engine.check_integrity()

@@ -6,18 +6,25 @@ K/V is streamed three times (read from the pool, written to the copy, read by th
 While the same requests decode step after step, the workspace keeps last step's padded batch
 and appends each request's new token to it, so a step streams the history once.
 
+With cascade decode (requests in groups that share a cached prefix, see `torch_native`), the
+workspace holds each group's shared prefix once (`[Hkv, NG, P, D]`, constant while the batch
+continues) and each request's own keys from the end of its group's prefix (its `offset`).
+
 It is valid only while the batch is the previous decode step's requests, in the same order,
 each one token longer, on the same pool, with each one's previous token still at the slot that
 step wrote, and no other step in between. Requests that finished (or were retracted) since are
-dropped from it by one copy of the others' rows; anything else (an extend step, a request
-joining, a reordering, a cache rewrite) makes the next step refill it from the pool. Slots
-past a request's length hold finite stale values that the attention mask hides. Its size is
-bounded by `MAX_BYTES`; a batch that would need more decodes from the pool as before.
+dropped from it by one copy of the others' rows (a group may lose members; its prefix stays);
+anything else (an extend step, a request joining, a reordering, a cache rewrite) makes the next
+step refill it from the pool. Slots past a request's length hold finite stale values that the
+attention mask hides. Its size is bounded by `MAX_BYTES`; a batch that would need more decodes
+from the pool as before.
 
 This module holds buffers and bookkeeping only; the attention itself is in `torch_native`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -30,16 +37,37 @@ MAX_BYTES = 512 << 20
 HEADROOM = 64
 
 
+@dataclass
+class Layout:
+    """How a decode batch's keys are split: per request, where its own keys start (`offsets`,
+    the length of its group's shared prefix, else 0) and its group (`groups`, -1 for none);
+    `prefix_width` is the longest group prefix, `num_groups` the number of groups."""
+
+    offsets: list[int]
+    groups: list[int]
+    num_groups: int = 0
+    prefix_width: int = 0
+
+    def keep(self, positions: list[int]) -> Layout:
+        """The layout of the requests at `positions` (groups and their prefixes stay)."""
+        return Layout([self.offsets[i] for i in positions], [self.groups[i] for i in positions],
+                       self.num_groups, self.prefix_width)
+
+
 class DecodeWorkspace:
-    """Per-layer K and V buffers `[Hkv, B, cap, D]` of the requests decoding together."""
+    """Per-layer K and V buffers `[Hkv, B, cap, D]` of the requests decoding together, and
+    their groups' shared prefixes `[Hkv, NG, P, D]` (empty without cascade)."""
 
     def __init__(self) -> None:
         self.rows: list[int] | None = None  # req_to_token rows of the last decode step
         self.lens: list[int] = []
+        self.layout: Layout | None = None
         self.pool: KVPool | None = None  # the pool the buffers were filled from
         self.last_loc: torch.Tensor | None = None  # [B] slots the last decode step wrote
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.pk: list[torch.Tensor] = []
+        self.pv: list[torch.Tensor] = []
 
     def invalidate(self) -> None:
         """Forget the last step's batch (an extend step ran, or decoding left the workspace)."""
@@ -51,7 +79,7 @@ class DecodeWorkspace:
         each one's previous token still at the slot the last step wrote, and they fit. Then the
         step appends (after dropping the rows of requests that left). Records the step."""
         keep = self._kept(batch)
-        ok = keep is not None and max(batch.seq_lens_cpu) <= self.capacity
+        ok = keep is not None and max(self._own_lens(batch, keep)) <= self.capacity
         if ok:
             table = batch.req_to_token_pool.req_to_token
             prev_slots = table[batch.req_pool_indices, batch.seq_lens - 2]  # [B]
@@ -62,12 +90,17 @@ class DecodeWorkspace:
             if ok and kept is not None:  # requests left: keep the others' rows, in order
                 self.k = [k.index_select(1, kept) for k in self.k]
                 self.v = [v.index_select(1, kept) for v in self.v]
+                self.layout = self.layout.keep(keep)
         if ok:
             self.rows, self.lens = batch.req_pool_indices.tolist(), list(batch.seq_lens_cpu)
         else:
             self.invalidate()
         self.last_loc = batch.out_cache_loc
         return ok
+
+    def _own_lens(self, batch: ForwardBatch, keep: list[int]) -> list[int]:
+        offsets = self.layout.offsets
+        return [n - offsets[i] for n, i in zip(batch.seq_lens_cpu, keep)]
 
     def _kept(self, batch: ForwardBatch) -> list[int] | None:
         """Positions in the last step's batch of this step's requests, when it continues it."""
@@ -81,44 +114,62 @@ class DecodeWorkspace:
             return None
         return keep
 
-    def prepare(self, batch: ForwardBatch) -> bool:
+    def prepare(self, batch: ForwardBatch, layout: Layout) -> bool:
         """Size the buffers for a new batch (each layer then `fill`s them from its gather);
         False when that would take more than `MAX_BYTES` (the step gathers from the pool)."""
         pool, lens = batch.kv_pool, batch.seq_lens_cpu
         cap = self.k[0].shape[2] if self.k else 0
-        want = -(-(max(lens) + HEADROOM) // HEADROOM) * HEADROOM
+        own = max(n - o for n, o in zip(lens, layout.offsets))
+        want = -(-(own + HEADROOM) // HEADROOM) * HEADROOM
         shape = (pool.num_kv_heads, len(lens), max(want, cap), pool.head_dim)
-        nbytes = 2 * pool.num_layers * torch.Size(shape).numel() * torch.finfo(pool.dtype).bits
-        if nbytes // 8 > MAX_BYTES:
-            self.k, self.v = [], []
+        prefix = (pool.num_kv_heads, layout.num_groups, layout.prefix_width, pool.head_dim)
+        elements = torch.Size(shape).numel() + torch.Size(prefix).numel()
+        if 2 * pool.num_layers * elements * pool.dtype.itemsize > MAX_BYTES:
+            self.k, self.v, self.pk, self.pv = [], [], [], []
             return False
         if not self.k or tuple(self.k[0].shape) != shape or self.k[0].dtype != pool.dtype:
-            self.k = [torch.zeros(shape, dtype=pool.dtype, device=pool.device)
-                      for _ in range(pool.num_layers)]
-            self.v = [torch.zeros(shape, dtype=pool.dtype, device=pool.device)
-                      for _ in range(pool.num_layers)]
+            self.k, self.v = self._buffers(shape, pool), self._buffers(shape, pool)
+        if not self.pk or tuple(self.pk[0].shape) != prefix or self.pk[0].dtype != pool.dtype:
+            self.pk, self.pv = self._buffers(prefix, pool), self._buffers(prefix, pool)
         self.rows, self.lens, self.pool = batch.req_pool_indices.tolist(), list(lens), pool
+        self.layout = layout
         return True
+
+    @staticmethod
+    def _buffers(shape: tuple[int, ...], pool: KVPool) -> list[torch.Tensor]:
+        return [torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+                for _ in range(pool.num_layers)]
 
     @property
     def capacity(self) -> int:
-        """Positions each request has room for."""
+        """Own positions each request has room for."""
         return self.k[0].shape[2] if self.k else 0
 
     def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a layer's gathered history, k/v `[Hkv, B, L, D]`."""
+        """Store a layer's gathered own keys, k/v `[Hkv, B, L, D]`."""
         width = k.shape[2]
         self.k[layer][:, :, :width].copy_(k)
         self.v[layer][:, :, :width].copy_(v)
 
+    def fill_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a layer's gathered group prefixes, k/v `[Hkv, NG, P, D]`."""
+        self.pk[layer].copy_(k)
+        self.pv[layer].copy_(v)
+
+    def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups' prefix K and V, `[Hkv * NG, P, D]` each."""
+        hkv, groups, width, d = self.pk[layer].shape
+        return (self.pk[layer].view(hkv * groups, width, d),
+                self.pv[layer].view(hkv * groups, width, d))
+
     def append(self, layer: int, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' k/v `[B, Hkv, D]` at `index` (head, request, position)."""
+        """Write the new tokens' k/v `[B, Hkv, D]` at `index` (head, request, own position)."""
         self.k[layer].index_put_(index, k.transpose(0, 1))
         self.v[layer].index_put_(index, v.transpose(0, 1))
 
     def view(self, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first `width` positions, `[Hkv * B, width, D]` (strided views)."""
+        """K and V of the first `width` own positions, `[Hkv * B, width, D]` (strided views)."""
         k, v = self.k[layer], self.v[layer]
         hkv, bsz, cap, d = k.shape
         return (k.view(hkv * bsz, cap, d)[:, :width], v.view(hkv * bsz, cap, d)[:, :width])

@@ -13,9 +13,12 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
 - Consecutive decode steps of the same requests keep the padded batch in a `DecodeWorkspace`
   and append each step's new token to it, instead of gathering the whole history again. The
   backend is therefore stateful: one instance serves one model runner (as the registry makes).
-- Cascade decode: when every request of a decode batch shares a cached prefix (the radix cache
-  gives them the same slots), that prefix's K/V is read once for the whole batch instead of once
-  per request, and its scores join each request's own scores in one softmax.
+- Cascade decode: requests of a decode batch that share a cached prefix (the radix cache gives
+  them the same slots: a system prompt, few-shot examples, a fork's parent) form groups; each
+  group's prefix K/V is read once for all its members instead of once per request, and its
+  scores join each member's own scores in one softmax. All groups run in the same few batched
+  matmuls (padded to the longest prefix and the largest group), and the workspace keeps the
+  prefixes too while the batch continues.
 
 Not here: sliding windows, custom masks, CUDA graphs (the gather is sized by host lengths).
 """
@@ -28,12 +31,29 @@ import torch
 import torch.nn.functional as F
 
 from arborlm.runtime.attention.base import AttentionBackend, AttentionLayerSpec
-from arborlm.runtime.attention.decode_workspace import DecodeWorkspace
+from arborlm.runtime.attention.decode_workspace import DecodeWorkspace, Layout
 from arborlm.runtime.forward_batch import ForwardBatch
 
-# A decode batch shares its prefix through the cascade path when the shared part is at least
-# this many tokens (below it, the extra matmuls cost more than the duplicated reads save).
+# Requests of a decode batch form a cascade group when they share at least this many cached
+# tokens (below it, the extra matmuls cost more than the duplicated reads save) ...
 CASCADE_MIN_PREFIX = 64
+# ... and the batch decodes through its groups when that reads at least this fraction of its
+# keys fewer times (else one dense batch is cheaper: fewer, larger kernels).
+CASCADE_MIN_SAVING = 0.25
+
+
+@dataclass
+class _CascadeMeta:
+    """Cascade groups of a decode batch: requests sharing a cached prefix, read once a group."""
+
+    index: torch.Tensor | None  # [Hkv * NG * P] pool rows of each group's prefix (padded), or
+    # None when the prefixes are in the workspace
+    mask: torch.Tensor  # [1, NG, 1, P] float32: 0 within a group's prefix, -inf past it
+    members: torch.Tensor  # [NG * M] batch index of each group's members (padding: 0)
+    place: torch.Tensor  # [B] each request's row among the NG * M (NG * M: in no group)
+    num_groups: int  # NG
+    max_members: int  # M
+    width: int  # P: the longest group prefix
 
 
 @dataclass
@@ -41,10 +61,9 @@ class _DecodeMeta:
     index: torch.Tensor | None  # [Hkv * B * L] int64 rows of the pool seen as [slots * Hkv, D]
     mask: torch.Tensor  # [1, B, 1, L] float32: 0 for real keys, -inf for padding
     width: int  # L: own (non-shared) keys per request, padded
-    prefix_index: torch.Tensor | None  # [Hkv * P] rows of the shared prefix (cascade), or None
-    prefix_len: int  # P
+    cascade: _CascadeMeta | None  # the groups sharing a prefix, or None
     workspace: str | None = None  # "fill" (copy the gather in) / "append" (no gather) / None
-    # (head, request, position) of each request's new token in the workspace, for "append".
+    # (head, request, own position) of each request's new token in the workspace, for "append".
     append_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
@@ -151,59 +170,61 @@ class TorchNativeBackend(AttentionBackend):
     def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
         ws = self.workspace
         if ws.continues(batch):
-            heads = torch.arange(batch.kv_pool.num_kv_heads, device=batch.seq_lens.device)
+            layout = ws.layout
+            offsets = torch.tensor(layout.offsets, device=batch.seq_lens.device)
+            own_lens = batch.seq_lens - offsets  # [B]
+            heads = torch.arange(batch.kv_pool.num_kv_heads, device=offsets.device)
             index = (heads[:, None], torch.arange(batch.batch_size, device=heads.device)[None, :],
-                     (batch.seq_lens - 1)[None, :])  # [Hkv, 1], [1, B], [1, B]
-            width = self._workspace_width(batch)
-            return _DecodeMeta(index=None, mask=_padding_mask(batch.seq_lens, width),
-                               width=width, prefix_index=None, prefix_len=0,
+                     (own_lens - 1)[None, :])  # [Hkv, 1], [1, B], [1, B]
+            width = self._workspace_width(batch, own_lens)
+            return _DecodeMeta(index=None, mask=_padding_mask(own_lens, width), width=width,
+                               cascade=_cascade_meta(None, layout, batch.kv_pool.num_kv_heads),
                                workspace="append", append_index=index)
-        meta = self._gather_metadata(batch)
-        if meta.prefix_index is None and ws.prepare(batch):
+        meta, layout, own_lens = self._gather_metadata(batch)
+        if ws.prepare(batch, layout):
             meta.workspace = "fill"
-            width = self._workspace_width(batch)
+            width = self._workspace_width(batch, own_lens)
             if width != meta.width:
-                meta.mask, meta.width = _padding_mask(batch.seq_lens, width), width
+                meta.mask, meta.width = _padding_mask(own_lens, width), width
         return meta
 
-    def _workspace_width(self, batch: ForwardBatch) -> int:
-        """Keys attended per request from the workspace. float32: the longest sequence (the
+    def _workspace_width(self, batch: ForwardBatch, own_lens: torch.Tensor) -> int:
+        """Own keys attended per request from the workspace. float32: the longest (the
         strided view is fastest); half precision: the whole capacity, as its batched matmuls
         are ~1.6x faster on a contiguous operand than on the strided one, padding and all."""
         if batch.kv_pool.dtype == torch.float32:
-            return max(batch.seq_lens_cpu)
+            return int(own_lens.max())
         return self.workspace.capacity
 
     @staticmethod
-    def _gather_metadata(batch: ForwardBatch) -> _DecodeMeta:
-        """Metadata to gather every request's keys from the pool (with cascade detection)."""
-        hkv = batch.kv_pool.num_kv_heads
+    def _gather_metadata(batch: ForwardBatch) -> tuple[_DecodeMeta, Layout, torch.Tensor]:
+        """Metadata to gather every request's keys from the pool, with its `Layout` (cascade
+        groups found here) and each request's own key count `[B]`."""
+        hkv, bsz = batch.kv_pool.num_kv_heads, batch.batch_size
         width = max(batch.seq_lens_cpu)
         table = batch.req_to_token_pool.req_to_token
-        if batch.batch_size == 1:  # no padding, no sharing: a slice of the request's row
+        if bsz == 1:  # no padding, no sharing: a slice of the request's row
             slots = table[int(batch.req_pool_indices[0]), :width]  # [L]
             mask = torch.zeros((1, 1, 1, width), dtype=torch.float32, device=slots.device)
-            return _DecodeMeta(index=_head_rows(slots, hkv), mask=mask, width=width,
-                               prefix_index=None, prefix_len=0)
+            meta = _DecodeMeta(index=_head_rows(slots, hkv), mask=mask, width=width, cascade=None)
+            return meta, Layout([0], [-1]), batch.seq_lens
         slots = table[batch.req_pool_indices, :width]  # [B, L]
         pos = torch.arange(width, device=slots.device)
-        valid = pos[None, :] < batch.seq_lens[:, None]  # [B, L]
-        slots = slots * valid  # padding -> slot 0
-        prefix_len = 0
-        if min(batch.seq_lens_cpu) > CASCADE_MIN_PREFIX:
-            same = (slots == slots[:1]).all(dim=0)  # [L]; a request's own token never matches
-            prefix_len = int(same.cumprod(dim=0).sum())
-        prefix_index = None
-        if prefix_len >= CASCADE_MIN_PREFIX:
-            prefix_index = _head_rows(slots[0, :prefix_len], hkv)
-            slots, valid = slots[:, prefix_len:], valid[:, prefix_len:]
-        else:
-            prefix_len = 0
-        mask = torch.zeros(valid.shape, dtype=torch.float32, device=slots.device)
-        mask.masked_fill_(~valid, float("-inf"))
-        return _DecodeMeta(index=_head_rows(slots, hkv), mask=mask[None, :, None, :],
-                           width=width - prefix_len, prefix_index=prefix_index,
-                           prefix_len=prefix_len)
+        slots = slots * (pos[None, :] < batch.seq_lens[:, None])  # padding -> slot 0
+        layout = _find_groups(slots, batch.seq_lens_cpu)
+        cascade = _cascade_meta(slots, layout, hkv)
+        own_slots, own_lens = slots, batch.seq_lens
+        if cascade is not None:  # each request's keys after its group's prefix
+            offsets = torch.tensor(layout.offsets, device=slots.device)
+            own_lens = batch.seq_lens - offsets  # [B]
+            own_pos = offsets[:, None] + pos[None, :int(own_lens.max())]  # [B, W]
+            own_slots = slots.gather(1, own_pos.clamp_(max=width - 1))
+            own_slots = own_slots * (own_pos < batch.seq_lens[:, None])
+        own_width = own_slots.shape[1]
+        mask = _padding_mask(own_lens, own_width)
+        meta = _DecodeMeta(index=_head_rows(own_slots, hkv), mask=mask, width=own_width,
+                           cascade=cascade)
+        return meta, layout, own_lens
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
@@ -214,7 +235,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def _keys(self, k_new: torch.Tensor, v_new: torch.Tensor, layer: AttentionLayerSpec,
               batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every request's padded keys and values, `[Hkv * B, L, D]` each."""
+        """Every request's padded own keys and values, `[Hkv * B, L, D]` each."""
         meta: _DecodeMeta = batch.attn_metadata
         lid, d = layer.layer_id, layer.head_dim
         if meta.workspace == "append":
@@ -230,6 +251,20 @@ class TorchNativeBackend(AttentionBackend):
                 return self.workspace.view(lid, meta.width)
         return k.view(-1, width, d), v.view(-1, width, d)
 
+    def _prefix_keys(self, layer: AttentionLayerSpec,
+                     batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cascade groups' shared K and V, `[Hkv * NG, P, D]` each."""
+        meta: _DecodeMeta = batch.attn_metadata
+        lid, d, c = layer.layer_id, layer.head_dim, meta.cascade
+        if meta.workspace == "append":
+            return self.workspace.prefix(lid)
+        k = batch.kv_pool.k_buffer[lid].view(-1, d).index_select(0, c.index)  # [Hkv*NG*P, D]
+        v = batch.kv_pool.v_buffer[lid].view(-1, d).index_select(0, c.index)
+        shape = (layer.num_kv_heads, c.num_groups, c.width, d)
+        if meta.workspace == "fill":
+            self.workspace.fill_prefix(lid, k.view(shape), v.view(shape))
+        return k.view(-1, c.width, d), v.view(-1, c.width, d)
+
     def _decode(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         """q `[B, H, D]`, the new tokens' k/v `[B, Hkv, D]` (already in the pool) -> `[B, H, D]`."""
@@ -241,31 +276,101 @@ class TorchNativeBackend(AttentionBackend):
         qh = q.view(bsz, hkv, group, d).transpose(0, 1).reshape(hkv * bsz, group, d)
         scores = torch.bmm(qh, k.transpose(1, 2)).float()  # [Hkv * B, G, L]
         scores = scores.view(hkv, bsz, group, meta.width).mul_(layer.scaling).add_(meta.mask)
-        if meta.prefix_index is None:
+        if meta.cascade is None:
             probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [Hkv, B, G, L]
             out = torch.bmm(probs.view(hkv * bsz, group, meta.width), v)  # [Hkv * B, G, D]
         else:
-            k_rows = batch.kv_pool.k_buffer[layer.layer_id].view(-1, d)  # [slots * Hkv, D]
-            v_rows = batch.kv_pool.v_buffer[layer.layer_id].view(-1, d)
-            out = self._cascade(qh, scores, v, k_rows, v_rows, meta, layer)
+            kp, vp = self._prefix_keys(layer, batch)
+            out = self._cascade(qh, scores, v, kp.to(q.dtype), vp.to(q.dtype), meta.cascade,
+                                layer)
         return out.view(hkv, bsz, group, d).transpose(0, 1).reshape(bsz, layer.num_heads, d)
 
     @staticmethod
-    def _cascade(qh: torch.Tensor, scores: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
-                 v_rows: torch.Tensor, meta: _DecodeMeta,
-                 layer: AttentionLayerSpec) -> torch.Tensor:
-        """Decode attention over (shared prefix, own keys): `[Hkv * B, G, D]`.
+    def _cascade(qh: torch.Tensor, scores: torch.Tensor, v: torch.Tensor, kp: torch.Tensor,
+                 vp: torch.Tensor, c: _CascadeMeta, layer: AttentionLayerSpec) -> torch.Tensor:
+        """Decode attention over (group prefix, own keys): `[Hkv * B, G, D]`.
 
-        `scores` `[Hkv, B, G, L]` are the own keys' scaled, masked scores. The prefix's K/V is
-        read once; each KV head's queries of all requests attend to it in one matmul.
+        `scores` `[Hkv, B, G, L]` are the own keys' scaled, masked scores; `kp`/`vp`
+        `[Hkv * NG, P, D]` the groups' prefixes. Each KV head's queries of a group's members
+        attend to its prefix in one batched matmul over all groups; a request's prefix and own
+        scores then share one softmax. Requests in no group get no prefix weight.
         """
         hkv, bsz, group, width = scores.shape
-        d, p = qh.shape[-1], meta.prefix_len
-        kp = k_rows.index_select(0, meta.prefix_index).view(hkv, p, d).to(qh.dtype)
-        vp = v_rows.index_select(0, meta.prefix_index).view(hkv, p, d).to(qh.dtype)
-        shared = torch.bmm(qh.view(hkv, bsz * group, d), kp.transpose(1, 2)).float()
-        shared = shared.mul_(layer.scaling).view(hkv, bsz, group, p)  # [Hkv, B, G, P]
+        d, p, ng, m = qh.shape[-1], c.width, c.num_groups, c.max_members
+        qg = qh.view(hkv, bsz, group, d).index_select(1, c.members)  # [Hkv, NG*M, G, D]
+        shared = torch.bmm(qg.view(hkv * ng, m * group, d), kp.transpose(1, 2)).float()
+        shared = shared.mul_(layer.scaling).view(hkv, ng, m * group, p).add_(c.mask)
+        shared = _per_request(shared.view(hkv, ng * m, group, p), c.place, float("-inf"))
         probs = torch.softmax(torch.cat([shared, scores], dim=-1), dim=-1).to(qh.dtype)
-        out = torch.bmm(probs[..., :p].reshape(hkv, bsz * group, p), vp)  # [Hkv, B*G, D]
+        pg = probs[..., :p].index_select(1, c.members)  # [Hkv, NG*M, G, P]
+        out = torch.bmm(pg.view(hkv * ng, m * group, p), vp)  # [Hkv*NG, M*G, D]
+        out = _per_request(out.view(hkv, ng * m, group, d), c.place, 0.0)  # [Hkv, B, G, D]
         own = torch.bmm(probs[..., p:].reshape(hkv * bsz, group, width), v)  # [Hkv*B, G, D]
         return own.add_(out.view(hkv * bsz, group, d))
+
+
+def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:
+    """Group-major rows `[Hkv, NG*M, ...]` -> per-request rows `[Hkv, B, ...]` (`place[i]`
+    is request i's row; `NG*M`, one past the last, gives a row of `fill`)."""
+    pad = x.new_full((x.shape[0], 1, *x.shape[2:]), fill)
+    return torch.cat([x, pad], dim=1).index_select(1, place)
+
+
+def _find_groups(slots: torch.Tensor, lens: list[int]) -> Layout:
+    """Cascade groups of a decode batch (`slots` `[B, L]`, padding 0): requests holding the
+    same slot at position `CASCADE_MIN_PREFIX - 1` share the radix-cache path up to it, so
+    they form a group whose prefix is their longest common run of slots. Groups are used when
+    reading each prefix once saves at least `CASCADE_MIN_SAVING` of the batch's keys."""
+    layout = Layout([0] * len(lens), [-1] * len(lens))
+    eligible = [i for i, n in enumerate(lens) if n > CASCADE_MIN_PREFIX]
+    if len(eligible) < 2:
+        return layout
+    members: dict[int, list[int]] = {}
+    for i, key in zip(eligible, slots[eligible, CASCADE_MIN_PREFIX - 1].tolist()):
+        members.setdefault(key, []).append(i)
+    saved = 0
+    for group in members.values():
+        if len(group) < 2:
+            continue
+        rows = slots[group]  # [m, L]
+        shared = int((rows == rows[:1]).all(dim=0).cumprod(dim=0).sum())
+        shared = min(shared, min(lens[i] for i in group) - 1)
+        if shared < CASCADE_MIN_PREFIX:
+            continue
+        for i in group:
+            layout.offsets[i], layout.groups[i] = shared, layout.num_groups
+        layout.num_groups += 1
+        layout.prefix_width = max(layout.prefix_width, shared)
+        saved += (len(group) - 1) * shared
+    if saved < CASCADE_MIN_SAVING * sum(lens):
+        return Layout([0] * len(lens), [-1] * len(lens))
+    return layout
+
+
+def _cascade_meta(slots: torch.Tensor | None, layout: Layout, hkv: int) -> _CascadeMeta | None:
+    """The group tensors of `layout` (None without groups); with `slots` `[B, L]`, also the
+    pool rows of each group's prefix (a continuing step reads them from the workspace)."""
+    if not any(g >= 0 for g in layout.groups):
+        return None
+    ng, p = layout.num_groups, layout.prefix_width
+    by_group: list[list[int]] = [[] for _ in range(ng)]
+    for i, g in enumerate(layout.groups):
+        if g >= 0:
+            by_group[g].append(i)
+    m = max(map(len, by_group))
+    members, place = [0] * (ng * m), [ng * m] * len(layout.groups)
+    for g, group in enumerate(by_group):
+        for j, i in enumerate(group):
+            members[g * m + j], place[i] = i, g * m + j
+    lens = [layout.offsets[group[0]] if group else 0 for group in by_group]
+    device = slots.device if slots is not None else None
+    valid = torch.arange(p, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    mask = torch.zeros((1, ng, 1, p), dtype=torch.float32, device=device)
+    mask.masked_fill_(~valid[None, :, None, :], float("-inf"))
+    index = None
+    if slots is not None:
+        first = torch.tensor([group[0] if group else 0 for group in by_group], device=device)
+        index = _head_rows(slots[first, :p] * valid, hkv)  # [Hkv * NG * P]
+    return _CascadeMeta(index=index, mask=mask, members=torch.tensor(members, device=device),
+                        place=torch.tensor(place, device=device), num_groups=ng,
+                        max_members=m, width=p)

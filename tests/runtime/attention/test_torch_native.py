@@ -40,12 +40,34 @@ def test_matches_dense_reference(layout, dtype, decode):
     assert_close(run_backend(TorchNativeBackend(), case), dense_reference(case).to(dtype), dtype)
 
 
-def _share_prefix(case, shared: int) -> None:
-    """Point the first `shared` positions of every request at request 0's slots."""
+def _share_prefix(case, shared: int, members: list[int] | None = None) -> None:
+    """Point the first `shared` positions of `members` (default: every request) at the first
+    member's slots, as the radix cache hands out a cached prefix."""
     b = case.batch
     table = b.req_to_token_pool.req_to_token
     rows = b.req_pool_indices.tolist()
-    table[rows[1:], :shared] = table[rows[0], :shared]
+    members = list(range(len(rows))) if members is None else members
+    for i in members[1:]:
+        table[rows[i], :shared] = table[rows[members[0]], :shared]
+
+
+def _earlier_step(case, back: int, seed: int, keep: list[int] | None = None):
+    """The decode step `back` tokens before `case` (0: `case` itself) of the requests at
+    `keep` (default all), with its own random q/k/v; for the workspace tests."""
+    b = case.batch
+    keep = list(range(b.batch_size)) if keep is None else keep
+    idx = torch.tensor(keep)
+    table = b.req_to_token_pool.req_to_token
+    lens = [b.seq_lens_cpu[i] - back for i in keep]
+    seq_lens = torch.tensor(lens)
+    rows = b.req_pool_indices[idx]
+    layer = case.layer
+    qkv = make_case([n - 1 for n in lens], [1] * len(lens), layer.num_heads, layer.num_kv_heads,
+                    layer.head_dim, 1, case.q.dtype, decode=True, seed=seed)
+    step = dataclasses.replace(b, batch_size=len(keep), req_pool_indices=rows, seq_lens=seq_lens,
+                               seq_lens_cpu=lens, out_cache_loc=table[rows, seq_lens - 1],
+                               input_ids=b.input_ids[idx], positions=seq_lens - 1)
+    return dataclasses.replace(case, batch=step, q=qkv.q, k=qkv.k, v=qkv.v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -58,7 +80,7 @@ def test_cascade_decode_over_a_shared_prefix(layout, dtype, monkeypatch):
     _share_prefix(case, 10)
     backend = TorchNativeBackend()
     out = run_backend(backend, case)
-    assert case.batch.attn_metadata.prefix_len == 10
+    assert case.batch.attn_metadata.cascade.width == 10
     assert_close(out, dense_reference(case).to(dtype), dtype)
 
 
@@ -66,8 +88,45 @@ def test_no_cascade_below_the_threshold_or_alone():
     case = make_case([20, 31], [1, 1], 4, 2, 64, 1, torch.float32, decode=True, seed=4)
     _share_prefix(case, 10)
     run_backend(TorchNativeBackend(), case)
-    assert case.batch.attn_metadata.prefix_index is None  # 10 < CASCADE_MIN_PREFIX
+    assert case.batch.attn_metadata.cascade is None  # 10 < CASCADE_MIN_PREFIX
     assert_close(run_backend(TorchNativeBackend(), case), dense_reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("layout", ["gqa2", "gqa4"])
+def test_cascade_decode_over_several_groups(layout, dtype, monkeypatch):
+    """Two groups with prefixes of different lengths and sizes, and two requests in none."""
+    heads, kv_heads, head_dim = LAYOUTS[layout]
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    case = make_case([20, 31, 12, 25, 40, 9, 33], [1] * 7, heads, kv_heads, head_dim, 1, dtype,
+                     decode=True, seed=9)
+    _share_prefix(case, 11, [0, 2, 3])
+    _share_prefix(case, 24, [4, 1, 6])
+    out = run_backend(TorchNativeBackend(), case)
+    cascade = case.batch.attn_metadata.cascade
+    assert (cascade.num_groups, cascade.max_members, cascade.width) == (2, 3, 24)
+    assert_close(out, dense_reference(case).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_cascade_groups_in_the_workspace(dtype, monkeypatch):
+    """Fill, append, then a member of each group leaves: the prefixes stay in the workspace,
+    the others' own keys are kept, and every step matches the reference."""
+    heads, kv_heads, head_dim = LAYOUTS["gqa2"]
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    case = make_case([30, 22, 41, 17, 28], [1] * 5, heads, kv_heads, head_dim, 1, dtype,
+                     decode=True, seed=10)
+    _share_prefix(case, 12, [0, 1, 2])
+    _share_prefix(case, 10, [3, 4])
+    backend = TorchNativeBackend()
+    steps = [_earlier_step(case, 2, seed=11), _earlier_step(case, 1, seed=12),
+             _earlier_step(case, 0, seed=13, keep=[0, 2, 4])]
+    for step, kind in zip(steps, ["fill", "append", "append"]):
+        out = run_backend(backend, step)
+        assert step.batch.attn_metadata.workspace == kind
+        assert step.batch.attn_metadata.cascade is not None
+        assert_close(out, dense_reference(step).to(dtype), dtype)
+    assert steps[0].batch.attn_metadata.cascade.num_groups == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
