@@ -162,11 +162,19 @@ class DecodeWorkspace:
         return (self.pk[layer].view(hkv * groups, width, d),
                 self.pv[layer].view(hkv * groups, width, d))
 
-    def append(self, layer: int, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' k/v `[B, Hkv, D]` at `index` (head, request, own position)."""
-        self.k[layer].index_put_(index, k.transpose(0, 1))
-        self.v[layer].index_put_(index, v.transpose(0, 1))
+    def append_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rows `[Hkv * B]` (head-major) of the buffers seen as `[Hkv * B * cap, D]` where each
+        request's token at own position `positions` `[B]` goes."""
+        hkv, bsz, cap, _ = self.k[0].shape
+        heads = torch.arange(hkv, device=positions.device)[:, None] * bsz  # [Hkv, 1]
+        reqs = torch.arange(bsz, device=positions.device)[None, :]  # [1, B]
+        return ((heads + reqs) * cap + positions[None, :]).flatten()
+
+    def append(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' k/v `[B, Hkv, D]` at `rows` (from `append_rows`)."""
+        d = k.shape[-1]
+        self.k[layer].view(-1, d).index_copy_(0, rows, k.transpose(0, 1).reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, rows, v.transpose(0, 1).reshape(-1, d))
 
     def view(self, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first `width` own positions, `[Hkv * B, width, D]` (strided views)."""

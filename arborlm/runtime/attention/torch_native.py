@@ -63,8 +63,9 @@ class _DecodeMeta:
     width: int  # L: own (non-shared) keys per request, padded
     cascade: _CascadeMeta | None  # the groups sharing a prefix, or None
     workspace: str | None = None  # "fill" (copy the gather in) / "append" (no gather) / None
-    # (head, request, own position) of each request's new token in the workspace, for "append".
-    append_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [Hkv * B] rows of the workspace seen as [Hkv * B * cap, D] that each request's new token
+    # goes to, head-major, for "append".
+    append_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -173,9 +174,7 @@ class TorchNativeBackend(AttentionBackend):
             layout = ws.layout
             offsets = torch.tensor(layout.offsets, device=batch.seq_lens.device)
             own_lens = batch.seq_lens - offsets  # [B]
-            heads = torch.arange(batch.kv_pool.num_kv_heads, device=offsets.device)
-            index = (heads[:, None], torch.arange(batch.batch_size, device=heads.device)[None, :],
-                     (own_lens - 1)[None, :])  # [Hkv, 1], [1, B], [1, B]
+            index = ws.append_rows(own_lens - 1)  # [Hkv * B]
             width = self._workspace_width(batch, own_lens)
             return _DecodeMeta(index=None, mask=_padding_mask(own_lens, width), width=width,
                                cascade=_cascade_meta(None, layout, batch.kv_pool.num_kv_heads),
