@@ -14,6 +14,8 @@ alternating so that both see the same machine load:
                (the higher of the two)
   overhead     per-token time of a tiny model (hidden 64, 2 layers) at batch 1: framework cost,
                against transformers' generate
+`--enable-torch-compile` runs ArborLM with its compiled decode step (the engine option of the
+same name; the engines then take ~10-30 s longer to start, less once Inductor's cache is warm).
 Targets (issue 8): decode-1 >= 1.0x llama.cpp; conc-32 >= 1.5x; prefix-64 in <= 1/2 its wall;
 prefill-512 >= 90% of the fp32 peak; overhead <= 0.3 ms/token.
 
@@ -87,8 +89,9 @@ def prefill_flops(shape: dict, tokens: int) -> float:
 class ArborSide:
     """ArborLM engines per (model, dtype), and the workloads as timed calls."""
 
-    def __init__(self, paths: dict[str, Path]):
+    def __init__(self, paths: dict[str, Path], options: dict):
         self.paths = paths
+        self.options = options  # extra engine options
         self.engines: dict = {}
 
     def engine(self, model: str, dtype: str):
@@ -99,7 +102,7 @@ class ArborSide:
             for e in self.engines.values():
                 e.shutdown()
             self.engines = {key: Engine(str(self.paths[model]), dtype=dtype,
-                                        max_total_tokens=16384)}
+                                        max_total_tokens=16384, **self.options)}
         return self.engines[key]
 
     def generate(self, model: str, dtype: str, prompts: list[list[int]], new: int) -> tuple:
@@ -153,7 +156,7 @@ def run_workload(name: str, model: str, dtype: str, arbor: ArborSide, peer_for, 
     return a, p, "GFLOP/s"
 
 
-def tiny_overhead(repeats: int, new: int = 256) -> tuple[float, float]:
+def tiny_overhead(repeats: int, options: dict, new: int = 256) -> tuple[float, float]:
     """ms/token at batch 1 on the tiny test model: ArborLM, transformers."""
     from transformers import AutoModelForCausalLM
 
@@ -162,7 +165,7 @@ def tiny_overhead(repeats: int, new: int = 256) -> tuple[float, float]:
 
     path = tiny_model("llama")
     prompt = [list(range(10, 26))]
-    eng = Engine(str(path), dtype="float32")
+    eng = Engine(str(path), dtype="float32", **options)
     params = lambda n: {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}  # noqa: E731
 
     def arbor(n: int) -> float:
@@ -244,6 +247,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", nargs="*", default=None, help="workloads to run (default: all)")
+    ap.add_argument("--enable-torch-compile", action="store_true",
+                    help="ArborLM decodes with its compiled step (engine option of that name)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -251,10 +256,12 @@ def main() -> None:
 
     cache = cache_root() / "bench-cpu"
     paths = build_models(cache)
-    arbor = ArborSide(paths)
+    options = {"enable_torch_compile": True} if args.enable_torch_compile else {}
+    arbor = ArborSide(paths, options)
     peer_for = make_peer_factory(paths, args.llama_cpp_src, args.threads, cache)
     load = os.getloadavg()[0]
-    print(f"threads {args.threads}; load average {load:.1f}; repeats {args.repeats} (medians)")
+    print(f"threads {args.threads}; load average {load:.1f}; repeats {args.repeats} (medians); "
+          f"ArborLM options {options or 'default'}")
     print(f"greedy agreement with llama.cpp (32M fp32): {check_agreement(arbor, peer_for, 8192)}")
     rows = []
     for name, runs in RUNS.items():
@@ -269,7 +276,7 @@ def main() -> None:
                 peak = max(peak, matmul_peak_gflops())
             rows.append(_row(name, model, dtype, a, p, unit, peak))
     if not args.only or "overhead" in args.only:
-        a, h = tiny_overhead(args.repeats)
+        a, h = tiny_overhead(args.repeats, options)
         rows.append(("overhead", "tiny", "float32", f"{a:.3f} ms/tok",
                      f"transformers {h:.3f}", f"{h / a:.2f}x vs HF", "<= 0.3 ms",
                      "yes" if a <= 0.3 else "no"))

@@ -71,6 +71,13 @@ class EngineArgs:
         "Largest decode batch captured in a CUDA graph; a batch is padded up to the next "
         "captured size (1, 2, 4, 8, then multiples of 8) and larger ones run eagerly.",
         default=32)
+    enable_torch_compile: bool = _doc(
+        "CPU: compile the decode step with torch.compile (Inductor C++ kernels) when the engine "
+        "starts (~10-30 s; cached on disk); decode batches up to torch_compile_max_bs then run "
+        "compiled, with fewer and fused kernels.", default=False)
+    torch_compile_max_bs: int = _doc("Largest decode batch that runs compiled "
+                                     "(enable_torch_compile); larger ones run eagerly.",
+                                     default=32)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
     grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
                                 "xgrammar or outlines (a request may pick its own).",
@@ -109,6 +116,8 @@ class EngineArgs:
             raise InvalidRequestError("page_size must be >= 1", "page_size")
         if self.cuda_graph_max_bs < 1:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
+        if self.torch_compile_max_bs < 1:
+            raise InvalidRequestError("torch_compile_max_bs must be >= 1", "torch_compile_max_bs")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise InvalidRequestError(f"grammar_backend must be one of "
                                       f"{', '.join(GRAMMAR_BACKENDS)}, got "

@@ -2,7 +2,8 @@
 
 It sizes the KV pool (from `max_total_tokens`, or a fraction of free memory), loads the weights,
 and turns a `ForwardBatch` into float32 logits for the rows the scheduler asked for; decode
-steps replay captured CUDA graphs where `cuda_graph_runner` can. It does not decide what runs:
+steps replay captured CUDA graphs where `cuda_graph_runner` can, and on CPU run compiled
+(`compiled_decode`) with `enable_torch_compile`. It does not decide what runs:
 that is the scheduler's job.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.attention.base import create_attention_backend
+from arborlm.runtime.compiled_decode import CompiledDecodeRunner, create_compiled_decode_runner
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from arborlm.runtime.forward_batch import ForwardBatch
@@ -57,7 +59,7 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         self.model = load_model(mc, device=self.device)
         if self.device == "cpu":
-            packed = pack_linears(self.model)
+            packed = pack_linears(self.model, transpose_fp32=not args.enable_torch_compile)
             logger.info("%d linear weights prepacked for oneDNN", packed)
         self.vocab_size = mc.vocab_size
         self.page_size = args.page_size
@@ -73,6 +75,7 @@ class ModelRunner:
                     self.allocator.total_size, self.allocator.num_pages - 1, self.page_size,
                     mc.dtype, config.attention_backend)
         self.graph_runner: CudaGraphRunner | None = create_cuda_graph_runner(self)
+        self.compiled: CompiledDecodeRunner | None = create_compiled_decode_runner(self)
 
     def _pool_slots(self) -> int:
         args, mc = self.config.args, self.config.model
@@ -98,6 +101,8 @@ class ModelRunner:
         """Logits `[N, vocab]` float32 for `batch.logits_indices` (all rows if None)."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        if self.compiled is not None and self.compiled.can_run(batch):
+            return self.compiled.forward(batch)
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)

@@ -17,6 +17,13 @@ linear weights take twice their memory.
 
 A oneDNN call costs ~10 µs more than MKL's for a tiny matrix, so weights below
 `MIN_PACKED_ELEMENTS` stay plain `nn.Linear`. Not here: quantization, GPUs (cuBLAS as is).
+
+Inside `torch.compile` (the compiled decode step) the opaque packed copy cannot be traced, so a
+traced call uses the plain copy: one row as `row_linear`, an elementwise product and a row sum
+that Inductor turns into one streaming C++ kernel (float32 25 vs 16 GB/s for MKL's GEMV on one
+thread of the machine above, bfloat16 21 vs 9), more rows as a matmul. The kernel needs the
+weight row-major as `[out, in]`, so `pack_linears(transpose_fp32=False)` keeps float32 plain
+copies untransposed (the engine does so with `enable_torch_compile`).
 """
 
 from __future__ import annotations
@@ -43,24 +50,32 @@ def packing_available() -> bool:
 class PackedLinear(nn.Module):
     """`nn.Linear` for CPU inference (fp32 / bf16): oneDNN-packed for decode-sized batches."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, transpose_fp32: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
-        self.fp32 = weight.dtype == torch.float32
-        # float32 keeps W^T (row-major [in, out]): `x @ W^T` is MKL's faster GEMV and as fast
-        # as F.linear for prefill; bfloat16 keeps W itself for F.linear.
-        self.plain = weight.t().contiguous() if self.fp32 else weight  # [in, out] | [out, in]
+        # float32 keeps W^T (row-major [in, out]) unless told otherwise: `x @ W^T` is MKL's
+        # faster GEMV and as fast as F.linear for prefill; bfloat16 keeps W itself.
+        self.transposed = weight.dtype == torch.float32 and transpose_fp32
+        self.plain = weight.t().contiguous() if self.transposed else weight  # [in, out] | [out, in]
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
+        if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
+            if x.shape[0] == 1 and not self.transposed:
+                return row_linear(x, self.plain, self.bias)
+            return self._plain(x)
         rows = x.shape[0]
-        single_gemv = self.fp32 and rows == 1 and torch.get_num_threads() == 1
+        single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
         if rows <= PACKED_MAX_ROWS and not single_gemv:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if not self.fp32:
+        return self._plain(x)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the plain (unpacked) copy of the weight."""
+        if not self.transposed:
             return F.linear(x, self.plain, self.bias)
         if self.bias is None:
             return torch.mm(x, self.plain)
@@ -68,6 +83,16 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One row `x` `[1, in]` times `weight` `[out, in]`, summed in float32 (as a GEMM does) and
+    rounded once to x's dtype: `[1, out]`. Written for Inductor, which fuses it into one kernel
+    that streams the weight once; eagerly it would materialise the `[out, in]` product."""
+    out = (x.float() * weight.float()).sum(dim=-1, keepdim=True).t()  # [1, out] float32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 def _eligible(module: nn.Module) -> bool:
@@ -78,16 +103,17 @@ def _eligible(module: nn.Module) -> bool:
             and w.numel() >= MIN_PACKED_ELEMENTS)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, transpose_fp32: bool = True) -> int:
     """Replace every eligible `nn.Linear` of `model` by a `PackedLinear`; returns how many.
 
     The model must be loaded: the copies are taken now, and a replaced module's original
-    weight is released unless something else (a tied embedding, a bfloat16 plain copy) holds it.
+    weight is released unless something else (a tied embedding, a plain copy) holds it.
+    `transpose_fp32=False` keeps float32 plain copies as `[out, in]` (see the module doc).
     """
     if not packing_available():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if _eligible(child)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, transpose_fp32))
     return len(targets)

@@ -1,0 +1,128 @@
+"""`CompiledDecodeRunner`: decode steps run through `torch.compile` (`enable_torch_compile`).
+
+On CPU a small model's eager decode step is a few hundred short ATen calls, each paying
+dispatch and thread start-up costs that can exceed its arithmetic. With `enable_torch_compile`,
+the model's own forward (the same modules, weights and numerics) is compiled by Inductor into a
+handful of fused C++ kernels around the matmuls; attention runs through
+`CompiledDecodeAttention`, which the compiler can trace.
+
+Two graphs are compiled when the engine starts, both with the KV length dynamic: one for batch
+size 1 and one with the batch size dynamic (2 to `torch_compile_max_bs`), so no step ever waits
+for a compile and no batch is padded. Inductor caches compiled code on disk, so later engines
+start faster. Larger decode batches and extend steps run eagerly (`ModelRunner` asks
+`can_run`); so do decode steps on devices other than CPU, where CUDA graphs serve instead.
+
+Compiled kernels sum in other orders than eager ones, so logits differ in the last bits; the
+tests check that greedy outputs stay equal to the eager engine's and to `transformers`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from arborlm.runtime.attention.compiled_decode import (
+    CompiledDecodeAttention,
+    CompiledDecodeMeta,
+    compiled_decode_metadata,
+)
+from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from arborlm.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Inductor options. The C++ wrapper calls the kernels without a Python frame per kernel. A
+# pointwise result with more than 2 ops is stored rather than recomputed where it is read: a
+# one-row linear (`row_linear`) would otherwise recompute its input's RMSNorm for every weight
+# element. Loops with less than `min_chunk_size` iterations per thread run on one thread: a
+# decode step's small ops cost less than waking the other threads, its GEMVs go parallel.
+INDUCTOR_OPTIONS = {"cpp_wrapper": True, "realize_opcount_threshold": 2,
+                    "cpp.min_chunk_size": 65536}
+# Sequence length of the warm-up steps (any length >= 2 compiles the dynamic-length graph).
+WARMUP_SEQ_LEN = 2
+
+
+class _DecodeStep(nn.Module):
+    """Logits of a decode batch: the model's forward and head, as the eager runner computes."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model(batch))  # [B, vocab] float32
+
+
+class CompiledDecodeRunner:
+    """Compiles the decode step at construction (batch 1, then 2+); runs eligible steps."""
+
+    def __init__(self, runner: ModelRunner, max_bs: int):
+        self.runner = runner
+        self.max_bs = max_bs
+        self.attention = CompiledDecodeAttention()
+        self.step = torch.compile(_DecodeStep(runner.model), dynamic=None,
+                                  options=INDUCTOR_OPTIONS)
+        for bs in sorted({1, min(2, max_bs)}):
+            batch = self._warmup_batch(bs)  # built outside inference mode, as the scheduler does
+            with torch.inference_mode():
+                self.forward(batch)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A decode step of at most `max_bs` requests whose logits are wanted for every row."""
+        if not batch.mode.is_decode or batch.batch_size > self.max_bs:
+            return False
+        rows = batch.logits_indices
+        return rows is None or rows.numel() == batch.batch_size
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[B, vocab]` float32 of a decode batch (`can_run` must hold)."""
+        batch.attn_metadata = compiled_decode_metadata(batch)
+        batch.logits_indices = None
+        return self._run(batch)
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        batch.attn_backend = self.attention
+        meta: CompiledDecodeMeta = batch.attn_metadata
+        torch._dynamo.mark_dynamic(meta.slots, 1)  # the KV length
+        if batch.batch_size > 1:
+            for t in (batch.input_ids, batch.positions, batch.out_cache_loc, meta.seq_lens,
+                      meta.slots):
+                torch._dynamo.mark_dynamic(t, 0)
+        return self.step(batch)
+
+    def _warmup_batch(self, bs: int) -> ForwardBatch:
+        """`bs` padding rows: token 0 at position 1 of `req_to_token` row 0, which maps every
+        position to slot 0 (the reserved padding slot) while no request holds it: at start-up."""
+        r = self.runner
+
+        def zeros() -> torch.Tensor:  # distinct tensors: the compiler guards on aliasing
+            return torch.zeros(bs, dtype=torch.int64, device=r.device)
+
+        lens = torch.full((bs,), WARMUP_SEQ_LEN, dtype=torch.int64, device=r.device)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=zeros(), positions=lens - 1,
+            req_pool_indices=zeros(), seq_lens=lens, out_cache_loc=zeros(),
+            req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool,
+            seq_lens_cpu=[WARMUP_SEQ_LEN] * bs)
+
+
+def create_compiled_decode_runner(runner: ModelRunner) -> CompiledDecodeRunner | None:
+    """A `CompiledDecodeRunner` when `enable_torch_compile` is set and the device is a CPU."""
+    args = runner.config.args
+    if not args.enable_torch_compile:
+        return None
+    if runner.device != "cpu":
+        logger.info("torch.compile decode is for CPU; on %s decode runs as before", runner.device)
+        return None
+    max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
+    start = time.perf_counter()
+    compiled = CompiledDecodeRunner(runner, max_bs)
+    logger.info("torch.compile decode on (batch sizes 1-%d), compiled in %.1f s", max_bs,
+                time.perf_counter() - start)
+    return compiled

@@ -1,0 +1,79 @@
+"""Compiled decode (`enable_torch_compile`) keeps greedy decoding equal to transformers.
+
+One engine (its two graphs compile at start-up, ~10-20 s the first time, then from Inductor's
+disk cache): every linear is oneDNN-packed, as the benchmark models' are, so the traced one-row
+linears (with q/k/v biases) run; batches of 1 and 2 decode compiled, a batch of 3 eagerly, and
+no step may recompile. `row_linear`'s arithmetic is checked against `F.linear` directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arborlm import Engine
+from arborlm.errors import InvalidRequestError
+from arborlm.runtime.config import EngineArgs
+from arborlm.runtime.layers import cpu_linear
+from tests.runtime.engine_helpers import GREEDY, hf_greedy
+
+
+def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch):
+    if not cpu_linear.packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 0)
+    path = str(make_tiny_model("qwen2"))
+    engine = Engine(path, dtype="float32", enable_torch_compile=True, torch_compile_max_bs=2,
+                    debug_integrity=True)
+    compiled = engine.scheduler.runner.compiled
+    assert compiled is not None
+    sizes: list[int] = []
+    forward = compiled.forward
+
+    def recording(batch):
+        sizes.append(batch.batch_size)
+        return forward(batch)
+
+    monkeypatch.setattr(compiled, "forward", recording)
+    prompts = [[(13 * i + j) % 400 + 6 for i in range(7 + 11 * j)] for j in range(3)]
+    params = [dict(GREEDY, max_new_tokens=n) for n in (16, 6, 11)]  # the batch shrinks 3, 2, 1
+    with torch.compiler.set_stance("fail_on_recompile"):
+        alone = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert alone["output_ids"] == hf_greedy(path, prompts[0], GREEDY["max_new_tokens"])
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out["output_ids"] == hf_greedy(path, prompt, p["max_new_tokens"])
+    assert {1, 2} <= set(sizes) and 3 not in sizes  # 3 requests exceed torch_compile_max_bs
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_row_linear_matches_f_linear(dtype, bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 256, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    x = torch.randn(1, 256, generator=gen).to(dtype)
+    got = cpu_linear.row_linear(x, weight, b)
+    assert got.shape == (1, 96) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=tol, rtol=tol)
+
+
+def test_untransposed_packed_linear_keeps_its_results():
+    """`transpose_fp32=False` (the compiled engine's layout) changes no eager result."""
+    if not cpu_linear.packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    linear = torch.nn.Linear(256, 384, bias=True)
+    packed = cpu_linear.PackedLinear(linear, transpose_fp32=False)
+    assert packed.plain.shape == (384, 256)
+    for rows in (1, 5, 200):  # packed, packed, plain
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_max_bs_is_validated(make_tiny_model):
+    path = str(make_tiny_model("llama"))
+    with pytest.raises(InvalidRequestError, match="torch_compile_max_bs"):
+        EngineArgs(model_path=path, torch_compile_max_bs=0).resolve()
