@@ -36,6 +36,10 @@ class ScheduledBatch:
 
     def logits_plan(self) -> torch.Tensor:
         """Rows of the forward's hidden states that need logits, [N] int64."""
+        return torch.tensor(self._plan(), dtype=torch.int64)
+
+    def _plan(self) -> list[int]:
+        """`logits_plan` as a list; fills `rows`."""
         indices: list[int] = []
         self.rows = []
         start = 0
@@ -50,7 +54,7 @@ class ScheduledBatch:
                 indices.append(start + ext - 1)
             self.rows.append((first, len(lp), sample_row))
             start += ext
-        return torch.tensor(indices, dtype=torch.int64)
+        return indices
 
     def to_forward_batch(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
                          out_cache_loc: torch.Tensor, device: str) -> ForwardBatch:
@@ -83,8 +87,8 @@ class ScheduledBatch:
 
     def _logits_indices(self, num_tokens: int, device: str) -> torch.Tensor | None:
         """`logits_plan()` for the forward; None when it keeps every row in order (decode)."""
-        plan = self.logits_plan()
+        plan = self._plan()
         if len(plan) == num_tokens and all(self.sample) and not any(
                 map(len, self.input_logprob_positions)):
             return None  # one row per token, each sampled: the model skips the row selection
-        return plan.to(device)
+        return torch.tensor(plan, dtype=torch.int64, device=device)

@@ -66,7 +66,16 @@ class ResultProcessor:
                 continue  # a decode step fed one of its forced tokens; more follow
             sample_reqs.append(req)
             sample_rows.append(sample_row)
-        if sample_reqs:
+        if not sample_reqs:
+            return
+        if sample_rows == list(range(logits.shape[0])) and not any(
+                r.grammar is not None for r in sample_reqs):
+            # Every row in order (decode): sample from the forward's logits themselves; they
+            # are inference tensors, which sampling changes in place. (Grammar masks are applied
+            # outside inference mode, so those batches sample from a copy, as any subset does.)
+            with torch.inference_mode():
+                self._sample(sample_reqs, logits)
+        else:
             self._sample(sample_reqs, logits[torch.tensor(sample_rows, dtype=torch.int64)])
 
     # --- input logprobs -------------------------------------------------------------------------

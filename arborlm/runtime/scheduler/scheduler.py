@@ -238,7 +238,9 @@ class Scheduler:
         need = self.allocator.pages_needed(start, end) * self.page_size
         if self.allocator.available_size() < need:
             self.cache.evict(need - self.allocator.available_size())
-        last = int(self.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else 0
+        last = 0  # the slot of position start - 1, read only where a page continues
+        if start % self.page_size:
+            last = int(self.req_pool.req_to_token[req.req_pool_idx, start - 1])
         return self.allocator.alloc_range(start, end, last)
 
     def _after_extend(self, batch: ScheduledBatch) -> None:
@@ -276,7 +278,7 @@ class Scheduler:
         slots = [self._alloc(r, r.computed_len, r.computed_len + n) for r, n in zip(reqs, extend)]
         for r, s in zip(reqs, slots):
             self.req_pool.write(r.req_pool_idx, r.computed_len, s)
-        self._out_cache_loc = torch.cat(slots)
+        self._out_cache_loc = slots[0] if len(slots) == 1 else torch.cat(slots)
         prefix = [r.computed_len for r in reqs]
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
