@@ -4,7 +4,8 @@ On CPU a small model's eager decode step is a few hundred short ATen calls, each
 dispatch and thread start-up costs that can exceed its arithmetic. With `enable_torch_compile`,
 the model's own forward (the same modules, weights and numerics) is compiled by Inductor into a
 handful of fused C++ kernels around the matmuls; attention runs through
-`CompiledDecodeAttention`, which the compiler can trace.
+`CompiledDecodeAttention`, which the compiler can trace, and one-row linears become streaming
+reduction kernels (`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s).
 
 Two graphs are compiled when the engine starts, both with the KV length dynamic: one for batch
 size 1 and one with the batch size dynamic (2 to `torch_compile_max_bs`), so no step ever waits
@@ -31,6 +32,7 @@ from arborlm.runtime.attention.compiled_decode import (
     compiled_decode_metadata,
 )
 from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from arborlm.runtime.layers.cpu_linear import use_row_linears
 
 if TYPE_CHECKING:
     from arborlm.runtime.model_runner import ModelRunner
@@ -67,6 +69,7 @@ class CompiledDecodeRunner:
         self.runner = runner
         self.max_bs = max_bs
         self.attention = CompiledDecodeAttention()
+        use_row_linears(runner.model)  # the packed ones trace as row_linear already
         self.step = torch.compile(_DecodeStep(runner.model), dynamic=None,
                                   options=INDUCTOR_OPTIONS)
         for bs in sorted({1, min(2, max_bs)}):

@@ -1,9 +1,10 @@
 """Compiled decode (`enable_torch_compile`) keeps greedy decoding equal to transformers.
 
 One engine (its two graphs compile at start-up, ~10-20 s the first time, then from Inductor's
-disk cache): every linear is oneDNN-packed, as the benchmark models' are, so the traced one-row
-linears (with q/k/v biases) run; batches of 1 and 2 decode compiled, a batch of 3 eagerly, and
-no step may recompile. `row_linear`'s arithmetic is checked against `F.linear` directly.
+disk cache) with both kinds of traced linear: the larger weights oneDNN-packed (as the benchmark
+models' are), the smaller ones (q/k/v with biases, o, down) `RowLinear`s; batches of 1 and 2
+decode compiled, a batch of 3 eagerly, and no step may recompile. `row_linear`'s arithmetic is
+checked against `F.linear` directly.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from tests.runtime.engine_helpers import GREEDY, hf_greedy
 def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch):
     if not cpu_linear.packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
-    monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # gate_up and lm_head
     path = str(make_tiny_model("qwen2"))
     engine = Engine(path, dtype="float32", enable_torch_compile=True, torch_compile_max_bs=2,
                     debug_integrity=True)
+    kinds = [type(m) for m in engine.scheduler.runner.model.modules()]
+    assert kinds.count(cpu_linear.PackedLinear) == 2 * 1 + 1
+    assert kinds.count(cpu_linear.RowLinear) == 2 * 3
     compiled = engine.scheduler.runner.compiled
     assert compiled is not None
     sizes: list[int] = []
@@ -59,6 +63,14 @@ def test_row_linear_matches_f_linear(dtype, bias):
     assert got.shape == (1, 96) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), atol=tol, rtol=tol)
+
+
+def test_row_linear_module_shares_and_matches():
+    linear = torch.nn.Linear(64, 48, bias=True)
+    row = cpu_linear.RowLinear.of(linear)
+    assert row.weight is linear.weight and row.bias is linear.bias
+    x = torch.randn(3, 64)
+    assert torch.equal(row(x), linear(x))  # eagerly the same F.linear
 
 
 def test_untransposed_packed_linear_keeps_its_results():

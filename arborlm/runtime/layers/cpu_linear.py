@@ -23,7 +23,8 @@ traced call uses the plain copy: one row as `row_linear`, an elementwise product
 that Inductor turns into one streaming C++ kernel (float32 25 vs 16 GB/s for MKL's GEMV on one
 thread of the machine above, bfloat16 21 vs 9), more rows as a matmul. The kernel needs the
 weight row-major as `[out, in]`, so `pack_linears(transpose_fp32=False)` keeps float32 plain
-copies untransposed (the engine does so with `enable_torch_compile`).
+copies untransposed (the engine does so with `enable_torch_compile`), and `use_row_linears`
+gives the unpacked small layers the same traced form (`RowLinear`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 # Smallest weight (out x in elements) worth packing; below it the call overhead dominates.
 MIN_PACKED_ELEMENTS = 1 << 16
@@ -95,6 +97,25 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out.to(x.dtype)
 
 
+class RowLinear(nn.Linear):
+    """`nn.Linear` whose one-row products become `row_linear` kernels inside `torch.compile`
+    (for weights too small to pack, where a library call costs more than the product)."""
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> RowLinear:
+        """A `RowLinear` sharing `linear`'s parameters."""
+        row = skip_init(cls, linear.in_features, linear.out_features, bias=False,
+                        dtype=linear.weight.dtype, device="meta")
+        row.weight, row.bias = linear.weight, linear.bias
+        return row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, in]` -> `[T, out]`: `F.linear`, or `row_linear` for one traced row."""
+        if torch.compiler.is_compiling() and x.shape[0] == 1:
+            return row_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 def _eligible(module: nn.Module) -> bool:
     if type(module) is not nn.Linear:
         return False
@@ -116,4 +137,15 @@ def pack_linears(model: nn.Module, transpose_fp32: bool = True) -> int:
                for name, child in parent.named_children() if _eligible(child)]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, transpose_fp32))
+    return len(targets)
+
+
+def use_row_linears(model: nn.Module) -> int:
+    """Replace every plain CPU `nn.Linear` of `model` (those too small to pack) by a
+    `RowLinear` over the same parameters; returns how many. Eager results do not change."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if type(child) is nn.Linear and child.weight.device.type == "cpu"]
+    for parent, name, child in targets:
+        setattr(parent, name, RowLinear.of(child))
     return len(targets)
