@@ -3,8 +3,8 @@
 One engine (its two graphs compile at start-up, ~10-20 s the first time, then from Inductor's
 disk cache) with both kinds of traced linear: the larger weights oneDNN-packed (as the benchmark
 models' are), the smaller ones (q/k/v with biases, o, down) `RowLinear`s; batches of 1 and 2
-decode compiled, a batch of 3 eagerly, and no step may recompile. `row_linear`'s arithmetic is
-checked against `F.linear` directly.
+decode compiled, a batch of 3 and a sequence past `COMPILED_MAX_SEQ_LEN` eagerly, and no step
+may recompile. `row_linear`'s arithmetic is checked against `F.linear` directly.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime import compiled_decode
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.layers import cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
@@ -48,6 +49,11 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch):
     for prompt, p, out in zip(prompts, params, outs):
         assert out["output_ids"] == hf_greedy(path, prompt, p["max_new_tokens"])
     assert {1, 2} <= set(sizes) and 3 not in sizes  # 3 requests exceed torch_compile_max_bs
+    monkeypatch.setattr(compiled_decode, "COMPILED_MAX_SEQ_LEN", 20)
+    steps = len(sizes)
+    long = engine.generate(input_ids=prompts[2], sampling_params=GREEDY)  # 29 tokens: eager
+    assert len(sizes) == steps
+    assert long["output_ids"] == hf_greedy(path, prompts[2], GREEDY["max_new_tokens"])
     engine.check_integrity()
     engine.shutdown()
 
