@@ -7,9 +7,11 @@ handful of fused C++ kernels around the matmuls; attention runs through
 `CompiledDecodeAttention`, which the compiler can trace, and one-row linears become streaming
 reduction kernels (`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s).
 
-Two graphs are compiled when the engine starts, both with the KV length dynamic: one for batch
-size 1 and one with the batch size dynamic (2 to `torch_compile_max_bs`), so no step ever waits
-for a compile and no batch is padded. Inductor caches compiled code on disk, so later engines
+The graphs are compiled when the engine starts, with the KV length dynamic: one for batch size
+1 and, when `torch_compile_max_bs` > 1, one with the batch size dynamic (2 to it), so no step
+ever waits for a compile and no batch is padded. (The default is batch 1 alone: on a 2-core CPU
+the batched graph decodes slower than the eager path, whose packed linears and dense workspace
+suit batches.) Inductor caches compiled code on disk, so later engines
 start faster. Larger decode batches, sequences longer than `COMPILED_MAX_SEQ_LEN` and extend
 steps run eagerly (`ModelRunner` asks `can_run`); so do decode steps on devices other than
 CPU, where CUDA graphs serve instead.
@@ -69,7 +71,8 @@ class _DecodeStep(nn.Module):
 
 
 class CompiledDecodeRunner:
-    """Compiles the decode step at construction (batch 1, then 2+); runs eligible steps."""
+    """Compiles the decode step at construction (batch 1, then 2+ if `max_bs` > 1); runs
+    eligible steps."""
 
     def __init__(self, runner: ModelRunner, max_bs: int):
         self.runner = runner
