@@ -16,8 +16,9 @@ step wrote, and no other step in between. Requests that finished (or were retrac
 dropped from it by one copy of the others' rows (a group may lose members; its prefix stays);
 anything else (an extend step, a request joining, a reordering, a cache rewrite) makes the next
 step refill it from the pool. Slots past a request's length hold finite stale values that the
-attention mask hides. Its size is bounded by `MAX_BYTES`; a batch that would need more decodes
-from the pool as before.
+attention mask hides. Its size is bounded (`byte_limit`): as large as the KV pool itself, but
+never more than half the memory free when it is sized, and at least `MIN_BYTES`; a batch that
+would need more decodes from the pool as before.
 
 This module holds buffers and bookkeeping only; the attention itself is in `torch_native`.
 """
@@ -26,13 +27,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.memory_pool import KVPool
 
-# Most memory the workspace may hold (K and V, all layers); above it decode gathers per step.
-MAX_BYTES = 512 << 20
+# The workspace may always hold this much (K and V, all layers), whatever the free memory; see
+# `byte_limit` for its bound. (128 requests of 1,100 tokens on the 40M default model need 2.5 GB
+# of it; decoding them from the pool instead took 3x as long: 34 s against 11 s.)
+MIN_BYTES = 512 << 20
 # Positions allocated past the longest sequence when (re)filling, rounded up to a multiple.
 HEADROOM = 64
 
@@ -52,6 +56,18 @@ class Layout:
         """The layout of the requests at `positions` (groups and their prefixes stay)."""
         return Layout([self.offsets[i] for i in positions], [self.groups[i] for i in positions],
                        self.num_groups, self.prefix_width)
+
+
+def byte_limit(pool: KVPool) -> int:
+    """Most bytes a workspace for `pool` may take: the pool's own size, at most half the free
+    memory (host or device), at least `MIN_BYTES`."""
+    pool_bytes = 2 * pool.num_layers * pool.num_slots * pool.num_kv_heads * pool.head_dim \
+        * pool.dtype.itemsize
+    if torch.device(pool.device).type == "cuda":
+        free = torch.cuda.mem_get_info(pool.device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    return max(MIN_BYTES, min(pool_bytes, free // 2))
 
 
 class DecodeWorkspace:
@@ -116,21 +132,31 @@ class DecodeWorkspace:
 
     def prepare(self, batch: ForwardBatch, layout: Layout) -> bool:
         """Size the buffers for a new batch (each layer then `fill`s them from its gather);
-        False when that would take more than `MAX_BYTES` (the step gathers from the pool)."""
+        False when that would take more than `byte_limit` (the step gathers from the pool)."""
         pool, lens = batch.kv_pool, batch.seq_lens_cpu
         cap = self.k[0].shape[2] if self.k else 0
         own = max(n - o for n, o in zip(lens, layout.offsets))
         want = -(-(own + HEADROOM) // HEADROOM) * HEADROOM
         shape = (pool.num_kv_heads, len(lens), max(want, cap), pool.head_dim)
         prefix = (pool.num_kv_heads, layout.num_groups, layout.prefix_width, pool.head_dim)
-        elements = torch.Size(shape).numel() + torch.Size(prefix).numel()
-        if 2 * pool.num_layers * elements * pool.dtype.itemsize > MAX_BYTES:
-            self.k, self.v, self.pk, self.pv = [], [], [], []
-            return False
-        if not self.k or tuple(self.k[0].shape) != shape or self.k[0].dtype != pool.dtype:
-            self.k, self.v = self._buffers(shape, pool), self._buffers(shape, pool)
-        if not self.pk or tuple(self.pk[0].shape) != prefix or self.pk[0].dtype != pool.dtype:
-            self.pk, self.pv = self._buffers(prefix, pool), self._buffers(prefix, pool)
+        same_own = bool(self.k) and tuple(self.k[0].shape) == shape \
+            and self.k[0].dtype == pool.dtype
+        same_prefix = bool(self.pk) and tuple(self.pk[0].shape) == prefix \
+            and self.pk[0].dtype == pool.dtype
+        if not (same_own and same_prefix):
+            # Buffers to replace are freed first: the limit counts them as free memory.
+            if not same_own:
+                self.k, self.v = [], []
+            if not same_prefix:
+                self.pk, self.pv = [], []
+            elements = torch.Size(shape).numel() + torch.Size(prefix).numel()
+            if 2 * pool.num_layers * elements * pool.dtype.itemsize > byte_limit(pool):
+                self.k, self.v, self.pk, self.pv = [], [], [], []
+                return False
+            if not same_own:
+                self.k, self.v = self._buffers(shape, pool), self._buffers(shape, pool)
+            if not same_prefix:
+                self.pk, self.pv = self._buffers(prefix, pool), self._buffers(prefix, pool)
         self.rows, self.lens, self.pool = batch.req_pool_indices.tolist(), list(lens), pool
         self.layout = layout
         return True

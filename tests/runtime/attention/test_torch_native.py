@@ -179,3 +179,18 @@ def test_decode_workspace_drops_requests_that_left(dtype):
     out = run_backend(backend, step2)
     assert rest.attn_metadata.workspace == "append"
     assert_close(out, dense_reference(step2).to(dtype), dtype)
+
+
+def test_decode_without_room_for_the_workspace(monkeypatch):
+    """Over the workspace's byte limit a decode step gathers from the pool, as exactly; the
+    limit itself lies between `MIN_BYTES` and the pool's size."""
+    from arborlm.runtime.attention import decode_workspace
+
+    case = make_case([20, 31, 12, 7], [1] * 4, 4, 2, 64, 1, torch.float32, decode=True, seed=14)
+    pool = case.batch.kv_pool
+    pool_bytes = 2 * pool.num_layers * pool.num_slots * pool.num_kv_heads * pool.head_dim * 4
+    assert decode_workspace.byte_limit(pool) == max(decode_workspace.MIN_BYTES, pool_bytes)
+    monkeypatch.setattr(decode_workspace, "byte_limit", lambda pool: 0)
+    out = run_backend(TorchNativeBackend(), case)
+    assert case.batch.attn_metadata.workspace is None
+    assert_close(out, dense_reference(case), torch.float32)
