@@ -90,6 +90,10 @@ def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 class TorchNativeBackend(AttentionBackend):
     def __init__(self) -> None:
         self.workspace = DecodeWorkspace()
+        # (layout, its offsets, its cascade groups) of the last appending step; see
+        # `_layout_tensors`.
+        self._layout_cache: tuple[Layout | None, torch.Tensor | None, _CascadeMeta | None] = (
+            None, None, None)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode.is_decode:
@@ -171,14 +175,12 @@ class TorchNativeBackend(AttentionBackend):
     def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
         ws = self.workspace
         if ws.continues(batch):
-            layout = ws.layout
-            offsets = torch.tensor(layout.offsets, device=batch.seq_lens.device)
+            offsets, cascade = self._layout_tensors(batch)
             own_lens = batch.seq_lens - offsets  # [B]
             index = ws.append_rows(own_lens - 1)  # [Hkv * B]
             width = self._workspace_width(batch, own_lens)
             return _DecodeMeta(index=None, mask=_padding_mask(own_lens, width), width=width,
-                               cascade=_cascade_meta(None, layout, batch.kv_pool.num_kv_heads),
-                               workspace="append", append_index=index)
+                               cascade=cascade, workspace="append", append_index=index)
         meta, layout, own_lens = self._gather_metadata(batch)
         if ws.prepare(batch, layout):
             meta.workspace = "fill"
@@ -186,6 +188,16 @@ class TorchNativeBackend(AttentionBackend):
             if width != meta.width:
                 meta.mask, meta.width = _padding_mask(own_lens, width), width
         return meta
+
+    def _layout_tensors(self, batch: ForwardBatch) -> tuple[torch.Tensor, _CascadeMeta | None]:
+        """Offsets `[B]` and cascade groups of the workspace's layout, built once per layout
+        (the workspace replaces its layout only when the batch is refilled or requests leave)."""
+        layout = self.workspace.layout
+        if self._layout_cache[0] is not layout:
+            offsets = torch.tensor(layout.offsets, device=batch.seq_lens.device)
+            cascade = _cascade_meta(None, layout, batch.kv_pool.num_kv_heads)
+            self._layout_cache = (layout, offsets, cascade)
+        return self._layout_cache[1], self._layout_cache[2]
 
     def _workspace_width(self, batch: ForwardBatch, own_lens: torch.Tensor) -> int:
         """Own keys attended per request from the workspace. float32: the longest (the
