@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from arborlm.runtime.layers import cpu_gemv
+
 # Smallest weight (out x in elements) worth packing; below it the call overhead dominates.
 MIN_PACKED_ELEMENTS = 1 << 16
 # Batch size the packed layout is tuned for; any batch size runs on it.
@@ -57,19 +59,23 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
-        # float32 keeps W^T (row-major [in, out]) unless told otherwise: `x @ W^T` is MKL's
-        # faster GEMV and as fast as F.linear for prefill; bfloat16 keeps W itself.
-        self.transposed = weight.dtype == torch.float32 and transpose_fp32
+        # One row goes to ArborLM's own kernel where it runs (`cpu_gemv`), eager or traced.
+        self.gemv = cpu_gemv.available(weight.dtype)
+        # Without it, float32 keeps W^T (row-major [in, out]) unless told otherwise: `x @ W^T`
+        # is MKL's faster GEMV and as fast as F.linear for prefill; bfloat16 keeps W itself.
+        self.transposed = weight.dtype == torch.float32 and transpose_fp32 and not self.gemv
         self.plain = weight.t().contiguous() if self.transposed else weight  # [in, out] | [out, in]
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
+        rows = x.shape[0]
+        if rows == 1 and self.gemv:
+            return cpu_gemv.row_gemv(x, self.plain, self.bias)
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
             if x.shape[0] == 1 and not self.transposed:
                 return row_linear(x, self.plain, self.bias)
             return self._plain(x)
-        rows = x.shape[0]
         single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
         if rows <= PACKED_MAX_ROWS and not single_gemv:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
