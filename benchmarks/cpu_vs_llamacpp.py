@@ -264,6 +264,7 @@ def main() -> None:
           f"ArborLM options {options or 'default'}")
     print(f"greedy agreement with llama.cpp (32M fp32): {check_agreement(arbor, peer_for, 8192)}")
     rows = []
+    peak = 0.0
     for name, runs in RUNS.items():
         if args.only and name not in args.only:
             continue

@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 # threads): Inductor fuses a step into one OpenMP region with ~170 barriers, and on 2 shared
 # cores the threads' sleeps and wake-ups cost more than the second core gives. Measured batch-1
 # decode, load ~1: 32M float32 8.5 -> 6.6 ms/token, bfloat16 6.8 -> 4.4, 125M 21.2 -> 20.6.
-INDUCTOR_OPTIONS = {"cpp_wrapper": True, "realize_opcount_threshold": 2, "cpp.threads": 1}
+INDUCTOR_OPTIONS = {"cpp_wrapper": True, "realize_opcount_threshold": 2, "cpp.threads": 1,
+                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 # Longest sequence a compiled step attends over. Its attention gathers every key from the pool
 # each step, which grows faster with the length than the eager path's dense workspace: 32M
 # float32 batch 1, compiled vs eager ms/token: 8.5 vs 12.7 at 500 tokens, 10.4 vs 14.0 at 1000,
