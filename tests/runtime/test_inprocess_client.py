@@ -1,0 +1,52 @@
+"""The in-process client builds and runs its scheduler on its own thread.
+
+The caller's thread never runs the model: a thread that has run a parallel torch op keeps an
+OpenMP team, and with more OpenMP threads than cores libgomp stops spinning between parallel
+regions (see `InProcessClient._start`). An error while building reaches the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from arborlm import Engine
+from arborlm.errors import ModelLoadError
+from arborlm.runtime import inprocess_client
+from arborlm.runtime.scheduler.scheduler import Scheduler
+
+
+def test_model_is_built_and_run_on_the_scheduler_thread(make_tiny_model, monkeypatch):
+    threads = {"init": set(), "step": set()}
+
+    class Recording(Scheduler):
+        def __init__(self, *args, **kwargs):
+            threads["init"].add(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            threads["step"].add(threading.current_thread().name)
+            return super().step()
+
+    monkeypatch.setattr(inprocess_client, "Scheduler", Recording)
+    engine = Engine(str(make_tiny_model("llama")), dtype="float32")
+    out = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 4,
+                                                                   "temperature": 0})
+    engine.shutdown()
+    assert len(out["output_ids"]) == 4
+    assert threads == {"init": {"arborlm-scheduler"}, "step": {"arborlm-scheduler"}}
+
+
+def test_build_error_reaches_the_caller(make_tiny_model, monkeypatch):
+    def failing(*args, **kwargs):
+        raise ModelLoadError("the weights could not be read")
+
+    monkeypatch.setattr(inprocess_client, "Scheduler", failing)
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ModelLoadError, match="could not be read"):
+        Engine(str(make_tiny_model("llama")), dtype="float32")
+    for t in threading.enumerate():
+        if t.name == "arborlm-scheduler" and "arborlm-scheduler" not in before:
+            t.join(timeout=5)
+            assert not t.is_alive()
