@@ -5,8 +5,24 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
+
+
+def off_main_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on a short-lived thread (its result, or its error raised here).
+
+    Torch work outside the engines (building a model, a matmul peak, a transformers peer) must
+    not run on the benchmark's own thread: the thread would keep an OpenMP team for the rest of
+    the run, and with more OpenMP threads than cores libgomp stops spinning between parallel
+    regions, which slows the in-process engine's scheduler thread (2-core CPU, 32M bf16 batch-1
+    decode: 2.3 -> 4.6 ms/step). A thread's team ends with the thread.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
 
 
 def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 1024,

@@ -9,12 +9,16 @@ benchmark feeds token ids, never text, so the choice only has to load.
 `LlamaCppPeer` drives llama.cpp through llama-cpp-python's low-level C API (`llama_batch`,
 `llama_decode`, sequence copies in the KV memory), the same calls llama.cpp's batched examples
 make, so Python adds one `llama_decode` call and one argmax per step: the peer runs at
-llama.cpp's speed. This module does not measure ArborLM.
+llama.cpp's speed. `PeerProcess` runs a peer in a process of its own, as `llama-server` would
+run: llama.cpp's OpenMP threads and the benchmarked engine's then never share one OpenMP
+runtime (in one process libgomp counts both teams against the cores and stops spinning, which
+slows both). This module does not measure ArborLM.
 """
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -147,6 +151,55 @@ class LlamaCppPeer:
             for o, t in zip(outs, ids.tolist()):
                 o.append(t)
         return outs, t_first, time.perf_counter() - t0
+
+
+class PeerProcess:
+    """A `LlamaCppPeer` in a child process: the same `generate`, timed in the child."""
+
+    def __init__(self, gguf: Path, **peer_args):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, str(gguf), peer_args), daemon=True)
+        self.proc.start()
+        child.close()
+        self._call("ready")  # raises the child's load error, if any
+
+    def generate(self, prompts: list[list[int]], new_tokens: int,
+                 shared_prefix: int = 0) -> tuple[list[list[int]], float, float]:
+        return self._call("generate", prompts, new_tokens, shared_prefix)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("close",))
+            self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def _call(self, *message):
+        self.conn.send(message)
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"llama.cpp peer process: {value}")
+        return value
+
+
+def _serve(conn, gguf: str, peer_args: dict) -> None:
+    """The child's loop: build the peer, then answer `ready` / `generate` / `close`."""
+    try:
+        peer = LlamaCppPeer(Path(gguf), **peer_args)
+    except Exception as e:  # noqa: BLE001 - reported to the parent on its first call
+        conn.recv()
+        conn.send((False, repr(e)))
+        return
+    while True:
+        name, *args = conn.recv()
+        if name == "close":
+            peer.close()
+            return
+        try:
+            conn.send((True, None if name == "ready" else peer.generate(*args)))
+        except Exception as e:  # noqa: BLE001
+            conn.send((False, repr(e)))
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
