@@ -4,16 +4,19 @@ On CPU, `F.linear` hands its weight to MKL (float32) or oneDNN (bfloat16) in pla
 layout on every call, and the library copies it into its blocked layout each time: for the
 small batches of decoding that copy costs as much as the product. `pack_linears` does it once,
 after loading (`torch.ops.mkldnn._reorder_linear_weight`, as torch.compile's CPU freezing pass
-does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for 1-64 rows. Larger
-batches (prefill) stay on `F.linear`, faster there; with one thread, one float32 row runs as
-`x @ W^T` with the weight stored transposed, MKL's fastest single-thread float32 GEMV (MKL does
-not split it over threads; oneDNN does). Measured on a 2-core AVX512-BF16 machine, the 32M
-benchmark model's weights: float32 1 row 10 -> 15 GB/s (one thread), 11 -> 22 GB/s (two);
-32 rows 57 -> 87 GFLOP/s (one thread); bfloat16 1 row 7.5 -> 12 GB/s (one), 15 -> 24 GB/s
-(two); 32 rows 119 -> 163 GFLOP/s (one).
-bfloat16 results are bit-identical to `F.linear` (the same oneDNN kernels); float32 ones differ
-from it in the last bits (other summation orders). Both copies of each weight are kept, so the
-linear weights take twice their memory.
+does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for any number of rows:
+prefill too, where the packed float32 product beats MKL's on the plain weight (2-core
+AVX512-BF16 machine, the 32M benchmark model's four linears, two threads, GFLOP/s: 65 rows
+133 -> 206, 512 rows 140 -> 208, 2048 rows 126 -> 210; bfloat16 370-400 -> 395-420; a 512-token
+prefill's linears 147 -> 105 ms). One row goes to ArborLM's own kernel (`cpu_gemv.row_gemv`)
+where the CPU has it; elsewhere, with one thread, one float32 row runs as `x @ W^T` with the
+weight stored transposed, MKL's fastest single-thread float32 GEMV (MKL does not split it over
+threads; oneDNN does). Measured on the machine above: float32 1 row 10 -> 15 GB/s (one
+thread), 11 -> 22 GB/s (two); 32 rows 57 -> 87 GFLOP/s (one thread); bfloat16 1 row 7.5 ->
+12 GB/s (one), 15 -> 24 GB/s (two); 32 rows 119 -> 163 GFLOP/s (one).
+bfloat16 results of oneDNN are bit-identical to `F.linear` (the same kernels); float32 ones
+differ from it in the last bits (other summation orders). Both copies of each weight are kept,
+so the linear weights take twice their memory.
 
 A oneDNN call costs ~10 µs more than MKL's for a tiny matrix, so weights below
 `MIN_PACKED_ELEMENTS` stay plain `nn.Linear`. Not here: quantization, GPUs (cuBLAS as is).
@@ -40,8 +43,6 @@ from arborlm.runtime.layers import cpu_gemv
 MIN_PACKED_ELEMENTS = 1 << 16
 # Batch size the packed layout is tuned for; any batch size runs on it.
 BATCH_HINT = 32
-# Most rows a call runs on the packed weight; above it `F.linear` is as fast or faster.
-PACKED_MAX_ROWS = 64
 
 
 def packing_available() -> bool:
@@ -62,7 +63,7 @@ class PackedLinear(nn.Module):
         # One row goes to ArborLM's own kernel where it runs (`cpu_gemv`), eager or traced.
         self.gemv = cpu_gemv.available(weight.dtype)
         # Without it, float32 keeps W^T (row-major [in, out]) unless told otherwise: `x @ W^T`
-        # is MKL's faster GEMV and as fast as F.linear for prefill; bfloat16 keeps W itself.
+        # is MKL's faster one-thread GEMV; bfloat16 keeps W itself.
         self.transposed = weight.dtype == torch.float32 and transpose_fp32 and not self.gemv
         self.plain = weight.t().contiguous() if self.transposed else weight  # [in, out] | [out, in]
         self.bias = linear.bias
@@ -77,9 +78,9 @@ class PackedLinear(nn.Module):
                 return row_linear(x, self.plain, self.bias)
             return self._plain(x)
         single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
-        if rows <= PACKED_MAX_ROWS and not single_gemv:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return self._plain(x)
+        if single_gemv:
+            return self._plain(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         """The product on the plain (unpacked) copy of the weight."""
