@@ -54,6 +54,8 @@ class _CascadeMeta:
     num_groups: int  # NG
     max_members: int  # M
     width: int  # P: the longest group prefix
+    identity: bool = False  # every request in a group, groups in batch order and equal-sized:
+    # group-major rows are the batch's own rows (no reordering needed)
 
 
 @dataclass
@@ -308,16 +310,29 @@ class TorchNativeBackend(AttentionBackend):
         """
         hkv, bsz, group, width = scores.shape
         d, p, ng, m = qh.shape[-1], c.width, c.num_groups, c.max_members
-        qg = qh.view(hkv, bsz, group, d).index_select(1, c.members)  # [Hkv, NG*M, G, D]
-        shared = torch.bmm(qg.view(hkv * ng, m * group, d), kp.transpose(1, 2)).float()
+
+        def per_request(x: torch.Tensor, fill: float) -> torch.Tensor:  # group-major -> batch
+            return x if c.identity else _per_request(x, c.place, fill)
+
+        def group_major(x: torch.Tensor) -> torch.Tensor:  # batch -> group-major
+            return x if c.identity else x.index_select(1, c.members)
+
+        qg = group_major(qh.view(hkv, bsz, group, d))  # [Hkv, NG*M, G, D]
+        shared = torch.bmm(qg.reshape(hkv * ng, m * group, d), kp.transpose(1, 2)).float()
         shared = shared.mul_(layer.scaling).view(hkv, ng, m * group, p).add_(c.mask)
-        shared = _per_request(shared.view(hkv, ng * m, group, p), c.place, float("-inf"))
-        probs = torch.softmax(torch.cat([shared, scores], dim=-1), dim=-1).to(qh.dtype)
-        pg = probs[..., :p].index_select(1, c.members)  # [Hkv, NG*M, G, P]
-        out = torch.bmm(pg.view(hkv * ng, m * group, p), vp)  # [Hkv*NG, M*G, D]
-        out = _per_request(out.view(hkv, ng * m, group, d), c.place, 0.0)  # [Hkv, B, G, D]
-        own = torch.bmm(probs[..., p:].reshape(hkv * bsz, group, width), v)  # [Hkv*B, G, D]
-        return own.add_(out.view(hkv * bsz, group, d))
+        shared = shared.view(hkv, ng * m, group, p)
+        # One softmax over (prefix, own) keys without joining them: a common max, the
+        # exponentials of each part, and the sum of both parts' weights divides the output.
+        top = torch.maximum(scores.amax(-1, keepdim=True),
+                            per_request(shared.amax(-1, keepdim=True), float("-inf")))
+        w_shared = shared.sub_(group_major(top)).exp_()  # [Hkv, NG*M, G, P]
+        w_own = scores.sub_(top).exp_()  # [Hkv, B, G, L]
+        total = w_own.sum(-1, keepdim=True).add_(per_request(w_shared.sum(-1, keepdim=True), 0.0))
+        out = torch.bmm(w_shared.to(qh.dtype).view(hkv * ng, m * group, p), vp)  # [Hkv*NG, M*G, D]
+        out = per_request(out.view(hkv, ng * m, group, d), 0.0)  # [Hkv, B, G, D]
+        own = torch.bmm(w_own.to(qh.dtype).view(hkv * bsz, group, width), v)  # [Hkv*B, G, D]
+        own = own.float().add_(out.reshape(hkv * bsz, group, d)).div_(total.view(-1, group, 1))
+        return own.to(qh.dtype)
 
 
 def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:
@@ -382,6 +397,7 @@ def _cascade_meta(slots: torch.Tensor | None, layout: Layout, hkv: int) -> _Casc
     if slots is not None:
         first = torch.tensor([group[0] if group else 0 for group in by_group], device=device)
         index = _head_rows(slots[first, :p] * valid, hkv)  # [Hkv * NG * P]
+    identity = members == place == list(range(len(layout.groups)))
     return _CascadeMeta(index=index, mask=mask, members=torch.tensor(members, device=device),
                         place=torch.tensor(place, device=device), num_groups=ng,
-                        max_members=m, width=p)
+                        max_members=m, width=p, identity=identity)

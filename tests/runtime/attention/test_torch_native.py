@@ -80,7 +80,9 @@ def test_cascade_decode_over_a_shared_prefix(layout, dtype, monkeypatch):
     _share_prefix(case, 10)
     backend = TorchNativeBackend()
     out = run_backend(backend, case)
-    assert case.batch.attn_metadata.cascade.width == 10
+    cascade = case.batch.attn_metadata.cascade
+    assert cascade.width == 10
+    assert cascade.identity  # one group of the whole batch, in order: no reordering
     assert_close(out, dense_reference(case).to(dtype), dtype)
 
 
@@ -105,6 +107,7 @@ def test_cascade_decode_over_several_groups(layout, dtype, monkeypatch):
     out = run_backend(TorchNativeBackend(), case)
     cascade = case.batch.attn_metadata.cascade
     assert (cascade.num_groups, cascade.max_members, cascade.width) == (2, 3, 24)
+    assert not cascade.identity
     assert_close(out, dense_reference(case).to(dtype), dtype)
 
 
