@@ -79,8 +79,8 @@ class GenerateRequest:
             for j in range(sp.n):
                 seed = sp.sampling_seed
                 copy = sp.clone(n=1, sampling_seed=None if seed is None else seed + j)
-                out.append(self._single(i, prompt, copy, base if sp.n == 1 else f"{base}-{j}",
-                                        len(out)))
+                out.append(self._single(i, n_prompts, prompt, copy,
+                                        base if sp.n == 1 else f"{base}-{j}", len(out)))
         return out
 
     def _prompts(self) -> list[Any]:
@@ -99,9 +99,9 @@ class GenerateRequest:
                 raise InvalidRequestError("input_ids must hold integer token ids", "input_ids")
         return batch
 
-    def _single(self, i: int, prompt: Any, sp: SamplingParams, rid: str,
+    def _single(self, i: int, n: int, prompt: Any, sp: SamplingParams, rid: str,
                 index: int) -> SingleRequest:
-        n = len(self._prompts())
+        """Prompt `i` of `n` with its per-prompt options."""
         rl = _per_prompt(self.return_logprob, n, "return_logprob", False)[i]
         start = _per_prompt(self.logprob_start_len, n, "logprob_start_len", -1)[i]
         top = _per_prompt(self.top_logprobs_num, n, "top_logprobs_num", 0)[i]
