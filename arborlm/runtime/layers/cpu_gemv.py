@@ -62,6 +62,7 @@ def _build() -> bool:
             from torch.utils.cpp_extension import load
 
             _find_ninja()
+            logger.info("loading ArborLM's CPU kernels (compiled on first use, ~20 s; cached)")
             load(EXTENSION_NAME, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         except Exception as exc:  # no compiler, no ninja, a read-only cache: keep the library path
