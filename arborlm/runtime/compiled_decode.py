@@ -4,8 +4,9 @@ On CPU a small model's eager decode step is a few hundred short ATen calls, each
 dispatch and thread start-up costs that can exceed its arithmetic. With `enable_torch_compile`,
 the model's own forward (the same modules, weights and numerics) is compiled by Inductor into a
 handful of fused C++ kernels around the matmuls; attention runs through
-`CompiledDecodeAttention`, which the compiler can trace, and one-row linears become streaming
-reduction kernels (`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s).
+`CompiledDecodeAttention`, which the compiler can trace, and one-row linears call ArborLM's
+own kernel (`cpu_gemv.row_gemv`) or, where it cannot run, become streaming reduction kernels
+(`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s).
 
 The graphs are compiled when the engine starts, with the KV length dynamic: one for batch size
 1 and, when `torch_compile_max_bs` > 1, one with the batch size dynamic (2 to it), so no step
@@ -16,6 +17,12 @@ start faster. Larger decode batches, sequences longer than `COMPILED_MAX_SEQ_LEN
 steps run eagerly (`ModelRunner` asks `can_run`); so do decode steps on devices other than
 CPU, where CUDA graphs serve instead.
 
+After the warm-up, steps skip Dynamo's guards: the code Dynamo generated for each graph (caught
+with a bytecode hook, as vLLM's compile wrapper does) is called directly, the graph picked by
+batch size. The guards could only fail on what `can_run` and the engine already fix (a decode
+batch, its size, the KV length's range, the pool's tensors and dtypes), and checking them cost
+~60-100 µs a step (tiny model, ms/token: 0.29 -> 0.22; 32M bfloat16: 2.88 -> 2.72).
+
 Compiled kernels sum in other orders than eager ones, so logits differ in the last bits; the
 tests check that greedy outputs stay equal to the eager engine's and to `transformers`.
 """
@@ -24,10 +31,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from types import CodeType, FunctionType
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch._dynamo.convert_frame import register_bytecode_hook
 
 from arborlm.runtime.attention.compiled_decode import (
     CompiledDecodeAttention,
@@ -60,15 +70,9 @@ COMPILED_MAX_SEQ_LEN = 1024
 WARMUP_SEQ_LEN = 2
 
 
-class _DecodeStep(nn.Module):
+def _decode_step(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
     """Logits of a decode batch: the model's forward and head, as the eager runner computes."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.compute_logits(self.model(batch))  # [B, vocab] float32
+    return model.compute_logits(model(batch))  # [B, vocab] float32
 
 
 class CompiledDecodeRunner:
@@ -80,12 +84,28 @@ class CompiledDecodeRunner:
         self.max_bs = max_bs
         self.attention = CompiledDecodeAttention()
         use_row_linears(runner.model)  # the packed ones trace as row_linear already
-        self.step = torch.compile(_DecodeStep(runner.model), dynamic=None,
-                                  options=INDUCTOR_OPTIONS)
-        for bs in sorted({1, min(2, max_bs)}):
-            batch = self._warmup_batch(bs)  # built outside inference mode, as the scheduler does
-            with torch.inference_mode():
-                self.forward(batch)
+        # A code object of this runner's own: Dynamo's code for it (below) is this runner's.
+        source = FunctionType(_decode_step.__code__.replace(), globals(), "_decode_step")
+        self.step = torch.compile(source, dynamic=None, fullgraph=True, options=INDUCTOR_OPTIONS)
+        self._direct: dict[int, Callable[..., torch.Tensor]] = {}
+        captured: list[CodeType] = []
+
+        def capture(old: CodeType, new: CodeType) -> None:
+            if old is source.__code__:
+                captured.append(new)
+
+        hook = register_bytecode_hook(capture)
+        try:
+            for bs in sorted({1, min(2, max_bs)}):
+                batch = self._warmup_batch(bs)  # built outside inference mode, as the scheduler
+                with torch.inference_mode():
+                    self.forward(batch)
+                if len(captured) == len(self._direct) + 1:
+                    self._direct[bs] = FunctionType(captured[-1], globals(), "_decode_step")
+        finally:
+            hook.remove()
+        if len(self._direct) != len({1, min(2, max_bs)}):
+            self._direct = {}  # not one graph per size: every step goes through Dynamo
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A decode step of at most `max_bs` requests, none longer than `COMPILED_MAX_SEQ_LEN`,
@@ -105,13 +125,16 @@ class CompiledDecodeRunner:
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         batch.attn_backend = self.attention
+        direct = self._direct.get(min(batch.batch_size, 2))
+        if direct is not None:
+            return direct(self.runner.model, batch)
         meta: CompiledDecodeMeta = batch.attn_metadata
         torch._dynamo.mark_dynamic(meta.slots, 1)  # the KV length
         if batch.batch_size > 1:
             for t in (batch.input_ids, batch.positions, batch.out_cache_loc, meta.seq_lens,
                       meta.slots):
                 torch._dynamo.mark_dynamic(t, 0)
-        return self.step(batch)
+        return self.step(self.runner.model, batch)
 
     def _warmup_batch(self, bs: int) -> ForwardBatch:
         """`bs` padding rows: token 0 at position 1 of `req_to_token` row 0, which maps every

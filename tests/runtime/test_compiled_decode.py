@@ -3,8 +3,10 @@
 One engine (its two graphs compile at start-up, ~10-20 s the first time, then from Inductor's
 disk cache) with both kinds of traced linear: the larger weights oneDNN-packed (as the benchmark
 models' are), the smaller ones (q/k/v with biases, o, down) `RowLinear`s; batches of 1 and 2
-decode compiled, a batch of 3 and a sequence past `COMPILED_MAX_SEQ_LEN` eagerly, and no step
-may recompile. `row_linear`'s arithmetic is checked against `F.linear` directly.
+decode compiled (each graph's code called directly, without Dynamo's guards), a batch of 3 and
+a sequence past `COMPILED_MAX_SEQ_LEN` eagerly, and no step may recompile; then the same
+through Dynamo when no generated code was caught. `row_linear`'s arithmetic is checked
+against `F.linear` directly.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch):
     assert kinds.count(cpu_linear.RowLinear) == 2 * 3
     compiled = engine.scheduler.runner.compiled
     assert compiled is not None
+    assert set(compiled._direct) == {1, 2}  # both graphs are called without Dynamo's guards
     sizes: list[int] = []
     forward = compiled.forward
 
@@ -86,7 +89,7 @@ def test_untransposed_packed_linear_keeps_its_results():
     linear = torch.nn.Linear(256, 384, bias=True)
     packed = cpu_linear.PackedLinear(linear, transpose_fp32=False)
     assert packed.plain.shape == (384, 256)
-    for rows in (1, 5, 200):  # packed, packed, plain
+    for rows in (1, 5, 200):  # row_gemv where it runs (else packed), packed, packed
         x = torch.randn(rows, 256)
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
@@ -95,3 +98,27 @@ def test_torch_compile_max_bs_is_validated(make_tiny_model):
     path = str(make_tiny_model("llama"))
     with pytest.raises(InvalidRequestError, match="torch_compile_max_bs"):
         EngineArgs(model_path=path, torch_compile_max_bs=0).resolve()
+
+
+def test_steps_go_through_dynamo_when_no_code_was_caught(make_tiny_model, monkeypatch):
+    """Without the generated code (no bytecode hook call), every step runs through the compiled
+    callable and its guards, with the same greedy output."""
+
+    class NoHook:
+        def remove(self) -> None:
+            pass
+
+    monkeypatch.setattr(compiled_decode, "register_bytecode_hook", lambda hook: NoHook())
+    path = str(make_tiny_model("llama"))
+    engine = Engine(path, dtype="float32", enable_torch_compile=True)
+    compiled = engine.scheduler.runner.compiled
+    assert compiled._direct == {}
+    calls = []
+    step = compiled.step
+    monkeypatch.setattr(compiled, "step", lambda *a: calls.append(1) or step(*a))
+    prompt = [(7 * i) % 300 + 6 for i in range(9)]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
+    assert len(calls) == GREEDY["max_new_tokens"] - 1  # every decode step
+    engine.shutdown()
