@@ -83,7 +83,7 @@ class CompiledDecodeRunner:
         self.runner = runner
         self.max_bs = max_bs
         self.attention = CompiledDecodeAttention()
-        use_row_linears(runner.model)  # the packed ones trace as row_linear already
+        use_row_linears(runner.model)  # packed ones trace as row_gemv / row_linear already
         # A code object of this runner's own: Dynamo's code for it (below) is this runner's.
         source = FunctionType(_decode_step.__code__.replace(), globals(), "_decode_step")
         self.step = torch.compile(source, dynamic=None, fullgraph=True, options=INDUCTOR_OPTIONS)
@@ -94,18 +94,18 @@ class CompiledDecodeRunner:
             if old is source.__code__:
                 captured.append(new)
 
+        sizes = sorted({1, min(2, max_bs)})
         hook = register_bytecode_hook(capture)
         try:
-            for bs in sorted({1, min(2, max_bs)}):
+            for bs in sizes:
                 batch = self._warmup_batch(bs)  # built outside inference mode, as the scheduler
                 with torch.inference_mode():
                     self.forward(batch)
-                if len(captured) == len(self._direct) + 1:
-                    self._direct[bs] = FunctionType(captured[-1], globals(), "_decode_step")
         finally:
             hook.remove()
-        if len(self._direct) != len({1, min(2, max_bs)}):
-            self._direct = {}  # not one graph per size: every step goes through Dynamo
+        if len(captured) == len(sizes):  # one graph per size (else every step goes via Dynamo)
+            self._direct = {bs: FunctionType(code, globals(), "_decode_step")
+                            for bs, code in zip(sizes, captured)}
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A decode step of at most `max_bs` requests, none longer than `COMPILED_MAX_SEQ_LEN`,

@@ -33,7 +33,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "row_gemv.cpp"
 EXTENSION_NAME = "arborlm_cpu_kernels"
 
 _lock = threading.Lock()
-_state: dict[str, bool] = {}  # "built": the operator is registered; "failed": it cannot be
+_built: bool | None = None  # None: not tried yet; else whether the operator is registered
 
 
 def cpu_supports(dtype: torch.dtype) -> bool:
@@ -55,9 +55,10 @@ def available(dtype: torch.dtype) -> bool:
 
 
 def _build() -> bool:
+    global _built
     with _lock:
-        if "built" in _state or "failed" in _state:
-            return _state.get("built", False)
+        if _built is not None:
+            return _built
         try:
             from torch.utils.cpp_extension import load
 
@@ -68,10 +69,10 @@ def _build() -> bool:
         except Exception as exc:  # no compiler, no ninja, a read-only cache: keep the library path
             logger.warning("ArborLM's CPU kernels could not be built (%s); one-row linears use "
                            "the library kernels", exc)
-            _state["failed"] = True
+            _built = False
             return False
         torch.library.register_fake("arborlm::row_gemv")(_row_gemv_shape)
-        _state["built"] = True
+        _built = True
         return True
 
 

@@ -74,7 +74,7 @@ class PackedLinear(nn.Module):
         if rows == 1 and self.gemv:
             return cpu_gemv.row_gemv(x, self.plain, self.bias)
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
-            if x.shape[0] == 1 and not self.transposed:
+            if rows == 1 and not self.transposed:
                 return row_linear(x, self.plain, self.bias)
             return self._plain(x)
         single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
