@@ -5,7 +5,7 @@ dispatch and thread start-up costs that can exceed its arithmetic. With `enable_
 the model's own forward (the same modules, weights and numerics) is compiled by Inductor into a
 handful of fused C++ kernels around the matmuls; attention runs through
 `CompiledDecodeAttention`, which the compiler can trace, and one-row linears call ArborLM's
-own kernel (`cpu_gemv.row_gemv`) or, where it cannot run, become streaming reduction kernels
+own kernel (`cpu_kernels.row_gemv`) or, where it cannot run, become streaming reduction kernels
 (`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s).
 
 The graphs are compiled when the engine starts, with the KV length dynamic: one for batch size

@@ -23,13 +23,13 @@ def test_cascade_decode_matches_transformers(make_tiny_model, monkeypatch):
     steps run through the cascade path with two groups, and greedy outputs equal transformers'."""
     path = str(make_tiny_model("llama"))
     groups = []
-    cascade = torch_native.TorchNativeBackend._cascade
+    cascade = torch_native.TorchNativeBackend._with_prefix
 
     def counting(*args):
         groups.append(args[5].num_groups)
         return cascade(*args)
 
-    monkeypatch.setattr(torch_native.TorchNativeBackend, "_cascade", staticmethod(counting))
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "_with_prefix", staticmethod(counting))
     shared = [[(7 * i) % 400 + 10 for i in range(90)],
               [(11 * i) % 300 + 20 for i in range(120)]]  # > CASCADE_MIN_PREFIX tokens
     prompts = [shared[j % 2] + [20 + j, 30 + j, 40 + 2 * j] for j in range(6)]
@@ -99,7 +99,7 @@ def test_packed_linear_matches_f_linear(dtype):
             torch.set_num_threads(n_threads)
             x = torch.randn(rows, 256, generator=gen).to(dtype)
             expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
-            if rows == 1 and packed.gemv:  # ArborLM's kernel: checked in test_cpu_gemv.py
+            if rows == 1 and packed.gemv:  # ArborLM's kernel: checked in test_cpu_kernels.py
                 tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
                 torch.testing.assert_close(packed(x), expected, atol=tol, rtol=tol)
             elif dtype == torch.bfloat16:  # the same oneDNN kernels as F.linear: bit-identical

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from arborlm.runtime.attention.base import AttentionBackend, AttentionLayerSpec
 from arborlm.runtime.attention.decode_workspace import DecodeWorkspace, Layout
 from arborlm.runtime.forward_batch import ForwardBatch
+from arborlm.runtime.layers import cpu_kernels
 
 # Requests of a decode batch form a cascade group when they share at least this many cached
 # tokens (below it, the extra matmuls cost more than the duplicated reads save) ...
@@ -68,6 +69,8 @@ class _DecodeMeta:
     # [Hkv * B] rows of the workspace seen as [Hkv * B * cap, D] that each request's new token
     # goes to, head-major, for "append".
     append_index: torch.Tensor | None = None
+    lens: torch.Tensor | None = None  # [B] own keys per request (for the CPU kernel)
+    kernel: bool = False  # own keys attended with `cpu_kernels.decode_attention`
 
 
 @dataclass
@@ -96,6 +99,7 @@ class TorchNativeBackend(AttentionBackend):
         # `_layout_tensors`.
         self._layout_cache: tuple[Layout | None, torch.Tensor | None, _CascadeMeta | None] = (
             None, None, None)
+        self._kernel: dict[torch.dtype, bool] = {}  # pool dtype -> the CPU kernel runs for it
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode.is_decode:
@@ -176,20 +180,33 @@ class TorchNativeBackend(AttentionBackend):
 
     def _decode_metadata(self, batch: ForwardBatch) -> _DecodeMeta:
         ws = self.workspace
+        kernel = self._kernel_runs(batch)
         if ws.continues(batch):
             offsets, cascade = self._layout_tensors(batch)
             own_lens = batch.seq_lens - offsets  # [B]
             index = ws.append_rows(own_lens - 1)  # [Hkv * B]
-            width = self._workspace_width(batch, own_lens)
+            width = self._workspace_width(batch, own_lens, kernel)
             return _DecodeMeta(index=None, mask=_padding_mask(own_lens, width), width=width,
-                               cascade=cascade, workspace="append", append_index=index)
+                               cascade=cascade, workspace="append", append_index=index,
+                               lens=own_lens, kernel=kernel)
         meta, layout, own_lens = self._gather_metadata(batch)
+        meta.lens, meta.kernel = own_lens, kernel
         if ws.prepare(batch, layout):
             meta.workspace = "fill"
-            width = self._workspace_width(batch, own_lens)
+            width = self._workspace_width(batch, own_lens, kernel)
             if width != meta.width:
                 meta.mask, meta.width = _padding_mask(own_lens, width), width
         return meta
+
+    def _kernel_runs(self, batch: ForwardBatch) -> bool:
+        """Whether this decode step attends with `cpu_kernels.decode_attention` (a CPU pool of
+        float32 or bfloat16 and the kernel built; `_decode` also checks the head shape)."""
+        pool = batch.kv_pool
+        if torch.device(pool.device).type != "cpu":
+            return False
+        if pool.dtype not in self._kernel:
+            self._kernel[pool.dtype] = cpu_kernels.attention_available(pool.dtype)
+        return self._kernel[pool.dtype]
 
     def _layout_tensors(self, batch: ForwardBatch) -> tuple[torch.Tensor, _CascadeMeta | None]:
         """Offsets `[B]` and cascade groups of the workspace's layout, built once per layout
@@ -201,11 +218,13 @@ class TorchNativeBackend(AttentionBackend):
             self._layout_cache = (layout, offsets, cascade)
         return self._layout_cache[1], self._layout_cache[2]
 
-    def _workspace_width(self, batch: ForwardBatch, own_lens: torch.Tensor) -> int:
-        """Own keys attended per request from the workspace. float32: the longest (the
-        strided view is fastest); half precision: the whole capacity, as its batched matmuls
-        are ~1.6x faster on a contiguous operand than on the strided one, padding and all."""
-        if batch.kv_pool.dtype == torch.float32:
+    def _workspace_width(self, batch: ForwardBatch, own_lens: torch.Tensor,
+                         kernel: bool) -> int:
+        """Own keys attended per request from the workspace. The CPU kernel and float32: the
+        longest (the kernel reads each row's own count; float32's strided view is fastest);
+        half precision: the whole capacity, as its batched matmuls are ~1.6x faster on a
+        contiguous operand than on the strided one, padding and all."""
+        if kernel or batch.kv_pool.dtype == torch.float32:
             return int(own_lens.max())
         return self.workspace.capacity
 
@@ -287,52 +306,78 @@ class TorchNativeBackend(AttentionBackend):
         k, v = self._keys(k_new, v_new, layer, batch)
         k, v = k.to(q.dtype), v.to(q.dtype)
         qh = q.view(bsz, hkv, group, d).transpose(0, 1).reshape(hkv * bsz, group, d)
-        scores = torch.bmm(qh, k.transpose(1, 2)).float()  # [Hkv * B, G, L]
-        scores = scores.view(hkv, bsz, group, meta.width).mul_(layer.scaling).add_(meta.mask)
-        if meta.cascade is None:
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [Hkv, B, G, L]
-            out = torch.bmm(probs.view(hkv * bsz, group, meta.width), v)  # [Hkv * B, G, D]
+        if meta.kernel and _kernel_fits(q.dtype, group, d):
+            out, lse = cpu_kernels.decode_attention(qh, k, v, meta.lens, layer.scaling)
         else:
+            out, lse = self._own_attention(qh, k, v, meta, layer)
+        if meta.cascade is not None:
             kp, vp = self._prefix_keys(layer, batch)
-            out = self._cascade(qh, scores, v, kp.to(q.dtype), vp.to(q.dtype), meta.cascade,
-                                layer)
+            out = self._with_prefix(qh, out, lse, kp.to(q.dtype), vp.to(q.dtype),
+                                    meta.cascade, layer)
         return out.view(hkv, bsz, group, d).transpose(0, 1).reshape(bsz, layer.num_heads, d)
 
     @staticmethod
-    def _cascade(qh: torch.Tensor, scores: torch.Tensor, v: torch.Tensor, kp: torch.Tensor,
-                 vp: torch.Tensor, c: _CascadeMeta, layer: AttentionLayerSpec) -> torch.Tensor:
+    def _own_attention(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _DecodeMeta,
+                       layer: AttentionLayerSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention over each request's own keys as two batched matmuls around a float32
+        softmax: `[Hkv * B, G, D]`, and with cascade groups, each query's log-sum-exp
+        `[Hkv * B, G]` (float32, as is the output then: `_with_prefix` rounds once)."""
+        rows, group, _ = qh.shape
+        hkv = rows // meta.mask.shape[1]
+        scores = torch.bmm(qh, k.transpose(1, 2)).float()  # [Hkv * B, G, L]
+        scores = scores.view(hkv, -1, group, meta.width).mul_(layer.scaling).add_(meta.mask)
+        if meta.cascade is None:
+            probs = torch.softmax(scores, dim=-1).to(qh.dtype)  # [Hkv, B, G, L]
+            return torch.bmm(probs.view(rows, group, meta.width), v), None  # [Hkv * B, G, D]
+        top = scores.amax(-1, keepdim=True)
+        weights = scores.sub_(top).exp_()
+        total = weights.sum(-1, keepdim=True)  # [Hkv, B, G, 1]
+        out = torch.bmm(weights.to(qh.dtype).view(rows, group, meta.width), v).float()
+        return out.div_(total.view(rows, group, 1)), top.add_(total.log()).view(rows, group)
+
+    @staticmethod
+    def _with_prefix(qh: torch.Tensor, own: torch.Tensor, own_lse: torch.Tensor,
+                     kp: torch.Tensor, vp: torch.Tensor, c: _CascadeMeta,
+                     layer: AttentionLayerSpec) -> torch.Tensor:
         """Decode attention over (group prefix, own keys): `[Hkv * B, G, D]`.
 
-        `scores` `[Hkv, B, G, L]` are the own keys' scaled, masked scores; `kp`/`vp`
-        `[Hkv * NG, P, D]` the groups' prefixes. Each KV head's queries of a group's members
-        attend to its prefix in one batched matmul over all groups; a request's prefix and own
-        scores then share one softmax. Requests in no group get no prefix weight.
+        `own` `[Hkv * B, G, D]` is the attention over each request's own keys and `own_lse`
+        its log-sum-exp; `kp`/`vp` `[Hkv * NG, P, D]` the groups' prefixes. Each KV head's
+        queries of a group's members attend to its prefix in one batched matmul over all
+        groups; the two parts are then weighted by their shares of one softmax over both
+        (their log-sum-exps). Requests in no group get no prefix weight.
         """
-        hkv, bsz, group, width = scores.shape
-        d, p, ng, m = qh.shape[-1], c.width, c.num_groups, c.max_members
+        rows, group, d = qh.shape
+        p, ng, m = c.width, c.num_groups, c.max_members
+        hkv = kp.shape[0] // ng
+        bsz = rows // hkv
 
         def per_request(x: torch.Tensor, fill: float) -> torch.Tensor:  # group-major -> batch
             return x if c.identity else _per_request(x, c.place, fill)
 
-        def group_major(x: torch.Tensor) -> torch.Tensor:  # batch -> group-major
-            return x if c.identity else x.index_select(1, c.members)
-
-        qg = group_major(qh.view(hkv, bsz, group, d))  # [Hkv, NG*M, G, D]
+        qg = qh.view(hkv, bsz, group, d)
+        if not c.identity:  # batch -> group-major
+            qg = qg.index_select(1, c.members)  # [Hkv, NG*M, G, D]
         shared = torch.bmm(qg.reshape(hkv * ng, m * group, d), kp.transpose(1, 2)).float()
         shared = shared.mul_(layer.scaling).view(hkv, ng, m * group, p).add_(c.mask)
         shared = shared.view(hkv, ng * m, group, p)
-        # One softmax over (prefix, own) keys without joining them: a common max, the
-        # exponentials of each part, and the sum of both parts' weights divides the output.
-        top = torch.maximum(scores.amax(-1, keepdim=True),
-                            per_request(shared.amax(-1, keepdim=True), float("-inf")))
-        w_shared = shared.sub_(group_major(top)).exp_()  # [Hkv, NG*M, G, P]
-        w_own = scores.sub_(top).exp_()  # [Hkv, B, G, L]
-        total = w_own.sum(-1, keepdim=True).add_(per_request(w_shared.sum(-1, keepdim=True), 0.0))
-        out = torch.bmm(w_shared.to(qh.dtype).view(hkv * ng, m * group, p), vp)  # [Hkv*NG, M*G, D]
-        out = per_request(out.view(hkv, ng * m, group, d), 0.0)  # [Hkv, B, G, D]
-        own = torch.bmm(w_own.to(qh.dtype).view(hkv * bsz, group, width), v)  # [Hkv*B, G, D]
-        own = own.float().add_(out.reshape(hkv * bsz, group, d)).div_(total.view(-1, group, 1))
-        return own.to(qh.dtype)
+        top = shared.amax(-1, keepdim=True)  # [Hkv, NG*M, G, 1]
+        weights = shared.sub_(top).exp_()
+        total = weights.sum(-1, keepdim=True)
+        out = torch.bmm(weights.to(qh.dtype).view(hkv * ng, m * group, p), vp).float()
+        out = out.div_(total.view(hkv * ng, m * group, 1))  # [Hkv*NG, M*G, D]
+        lse = per_request(top.add_(total.log_()), float("-inf")).view(rows, group, 1)
+        pref = per_request(out.view(hkv, ng * m, group, d), 0.0).reshape(rows, group, d)
+        own_lse = own_lse.view(rows, group, 1)
+        joint = torch.logaddexp(own_lse, lse)
+        own = own.float().mul_(own_lse.sub(joint).exp_())
+        return own.add_(pref.mul_(lse.sub_(joint).exp_())).to(qh.dtype)
+
+
+def _kernel_fits(dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether `cpu_kernels.decode_attention` takes this head shape and dtype."""
+    return dtype in (torch.float32, torch.bfloat16) and 1 <= group <= 16 \
+        and head_dim % 16 == 0 and 0 < head_dim <= 256
 
 
 def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:

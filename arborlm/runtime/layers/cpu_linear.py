@@ -8,7 +8,7 @@ does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for any num
 prefill too, where the packed float32 product beats MKL's on the plain weight (2-core
 AVX512-BF16 machine, the 32M benchmark model's four linears, two threads, GFLOP/s: 65 rows
 133 -> 206, 512 rows 140 -> 208, 2048 rows 126 -> 210; bfloat16 370-400 -> 395-420; a 512-token
-prefill's linears 147 -> 105 ms). One row goes to ArborLM's own kernel (`cpu_gemv.row_gemv`)
+prefill's linears 147 -> 105 ms). One row goes to ArborLM's own kernel (`cpu_kernels.row_gemv`)
 where the CPU has it; elsewhere, with one thread, one float32 row runs as `x @ W^T` with the
 weight stored transposed, MKL's fastest single-thread float32 GEMV (MKL does not split it over
 threads; oneDNN does). Measured on the machine above: float32 1 row 10 -> 15 GB/s (one
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from arborlm.runtime.layers import cpu_gemv
+from arborlm.runtime.layers import cpu_kernels
 
 # Smallest weight (out x in elements) worth packing; below it the call overhead dominates.
 MIN_PACKED_ELEMENTS = 1 << 16
@@ -60,8 +60,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
-        # One row goes to ArborLM's own kernel where it runs (`cpu_gemv`), eager or traced.
-        self.gemv = cpu_gemv.available(weight.dtype)
+        # One row goes to ArborLM's own kernel where it runs (`cpu_kernels`), eager or traced.
+        self.gemv = cpu_kernels.available(weight.dtype)
         # Without it, float32 keeps W^T (row-major [in, out]) unless told otherwise: `x @ W^T`
         # is MKL's faster one-thread GEMV; bfloat16 keeps W itself.
         self.transposed = weight.dtype == torch.float32 and transpose_fp32 and not self.gemv
@@ -72,7 +72,7 @@ class PackedLinear(nn.Module):
         """x `[T, in]` -> `[T, out]` in x's dtype."""
         rows = x.shape[0]
         if rows == 1 and self.gemv:
-            return cpu_gemv.row_gemv(x, self.plain, self.bias)
+            return cpu_kernels.row_gemv(x, self.plain, self.bias)
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
             if rows == 1 and not self.transposed:
                 return row_linear(x, self.plain, self.bias)

@@ -3,7 +3,9 @@
 Extend steps with and without cached prefixes, decode steps over scattered slots, and decode
 batches whose requests share a cached prefix (same KV slots, as the radix cache hands them out),
 which take the cascade path: the prefix's K/V read once for the whole batch; and two
-consecutive decode steps, the second appending to the decode workspace.
+consecutive decode steps, the second appending to the decode workspace. Every test runs twice:
+with ArborLM's CPU decode-attention kernel (`cpu_kernels.decode_attention`) and with the
+batched-matmul path that serves where it cannot run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from arborlm.runtime.attention import torch_native
 from arborlm.runtime.attention.torch_native import TorchNativeBackend
+from arborlm.runtime.layers import cpu_kernels
 from tests.runtime.attention.batches import (
     assert_close,
     dense_reference,
@@ -26,10 +29,21 @@ LAYOUTS = {"mha": (2, 2, 32), "gqa2": (4, 2, 64), "gqa4": (8, 2, 32), "mqa": (3,
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True, params=["kernel", "matmuls"])
+def decode_path(request, monkeypatch):
+    """Decode attention with the CPU kernel, or with batched matmuls (the kernel turned off)."""
+    if request.param == "kernel":
+        if not cpu_kernels.attention_available(torch.float32):
+            pytest.skip("ArborLM's CPU kernels do not run on this machine")
+    else:
+        monkeypatch.setattr(cpu_kernels, "attention_available", lambda dtype: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
-def test_matches_dense_reference(layout, dtype, decode):
+def test_matches_dense_reference(layout, dtype, decode, decode_path):
     heads, kv_heads, head_dim = LAYOUTS[layout]
     if decode:
         prefix, extend = [0, 5, 40, 17], [1, 1, 1, 1]
@@ -38,6 +52,8 @@ def test_matches_dense_reference(layout, dtype, decode):
     case = make_case(prefix, extend, heads, kv_heads, head_dim, 1, dtype, decode=decode,
                      seed=len(layout), fused_qkv=True)
     assert_close(run_backend(TorchNativeBackend(), case), dense_reference(case).to(dtype), dtype)
+    if decode:
+        assert case.batch.attn_metadata.kernel == (decode_path == "kernel")
 
 
 def _share_prefix(case, shared: int, members: list[int] | None = None) -> None:
@@ -96,7 +112,7 @@ def test_no_cascade_below_the_threshold_or_alone():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("layout", ["gqa2", "gqa4"])
-def test_cascade_decode_over_several_groups(layout, dtype, monkeypatch):
+def test_cascade_decode_over_several_groups(layout, dtype, monkeypatch, decode_path):
     """Two groups with prefixes of different lengths and sizes, and two requests in none."""
     heads, kv_heads, head_dim = LAYOUTS[layout]
     monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
@@ -108,6 +124,7 @@ def test_cascade_decode_over_several_groups(layout, dtype, monkeypatch):
     cascade = case.batch.attn_metadata.cascade
     assert (cascade.num_groups, cascade.max_members, cascade.width) == (2, 3, 24)
     assert not cascade.identity
+    assert case.batch.attn_metadata.kernel == (decode_path == "kernel")
     assert_close(out, dense_reference(case).to(dtype), dtype)
 
 

@@ -8,7 +8,7 @@
 // float32), rounded once to bfloat16 at the end, as a GEMM does.
 //
 // Compiled with per-function target attributes, so the file builds on any x86-64 compiler;
-// `cpu_gemv.py` only calls it on CPUs that have the instructions.
+// `cpu_kernels.py` only calls it on CPUs that have the instructions.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -12,16 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arborlm.runtime.layers import cpu_gemv, cpu_linear
+from arborlm.runtime.layers import cpu_kernels, cpu_linear
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(1, 1), (5, 17), (64, 64), (33, 130), (7, 100), (300, 1408), (1024, 512), (3, 4099)]
 
 
 def _skip_unless_available(dtype: torch.dtype) -> None:
-    if not cpu_gemv.cpu_supports(dtype):
+    if not cpu_kernels.cpu_supports(dtype):
         pytest.skip(f"this CPU lacks the instructions row_gemv needs for {dtype}")
-    assert cpu_gemv.available(dtype), "the CPU supports row_gemv but it did not build"
+    assert cpu_kernels.available(dtype), "the CPU supports row_gemv but it did not build"
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -50,8 +50,8 @@ def test_matches_float64(dtype, threads):
             w = torch.randn(out, inp, generator=gen).to(dtype)
             x = torch.randn(1, inp, generator=gen).to(dtype)
             b = torch.randn(out, generator=gen).to(dtype)
-            _check(cpu_gemv.row_gemv(x, w), x, w, None)
-            _check(cpu_gemv.row_gemv(x, w, b), x, w, b)
+            _check(cpu_kernels.row_gemv(x, w), x, w, None)
+            _check(cpu_kernels.row_gemv(x, w, b), x, w, b)
     finally:
         torch.set_num_threads(saved)
 
@@ -66,10 +66,10 @@ def test_views_and_traced_calls(dtype):
     w = w_big[:, :200]  # non-contiguous rows
     h = torch.randn(1, 600, generator=gen).to(dtype)
     x = h[:, 100:300]  # an offset view
-    _check(cpu_gemv.row_gemv(x, w), x, w, None)
+    _check(cpu_kernels.row_gemv(x, w), x, w, None)
 
     def fn(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return cpu_gemv.row_gemv(torch.relu(a) * 2, weight) + 1
+        return cpu_kernels.row_gemv(torch.relu(a) * 2, weight) + 1
 
     compiled = torch.compile(fn, fullgraph=True, options={"cpp_wrapper": True})
     wc = w.contiguous()
@@ -81,15 +81,15 @@ def test_bad_arguments_name_the_problem():
     _skip_unless_available(torch.float32)
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match=r"one row \[1, in\]"):
-        cpu_gemv.row_gemv(torch.randn(2, 16), w)
+        cpu_kernels.row_gemv(torch.randn(2, 16), w)
     with pytest.raises(RuntimeError, match="weight must be"):
-        cpu_gemv.row_gemv(torch.randn(1, 15), w)
+        cpu_kernels.row_gemv(torch.randn(1, 15), w)
     with pytest.raises(RuntimeError, match="dtypes differ"):
-        cpu_gemv.row_gemv(torch.randn(1, 16).bfloat16(), w)
+        cpu_kernels.row_gemv(torch.randn(1, 16).bfloat16(), w)
     with pytest.raises(RuntimeError, match="bias must be"):
-        cpu_gemv.row_gemv(torch.randn(1, 16), w, torch.randn(7))
+        cpu_kernels.row_gemv(torch.randn(1, 16), w, torch.randn(7))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        cpu_gemv.row_gemv(torch.randn(1, 16).double(), w.double())
+        cpu_kernels.row_gemv(torch.randn(1, 16).double(), w.double())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -100,13 +100,13 @@ def test_packed_linear_routes_one_row_to_the_kernel(dtype, monkeypatch):
     if not cpu_linear.packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
     calls = []
-    kernel = cpu_gemv.row_gemv
+    kernel = cpu_kernels.row_gemv
 
     def counting(*args):
         calls.append(args[0].shape)
         return kernel(*args)
 
-    monkeypatch.setattr(cpu_gemv, "row_gemv", counting)
+    monkeypatch.setattr(cpu_kernels, "row_gemv", counting)
     linear = torch.nn.Linear(256, 384, bias=True).to(dtype)
     packed = cpu_linear.PackedLinear(linear)
     assert packed.gemv and not packed.transposed

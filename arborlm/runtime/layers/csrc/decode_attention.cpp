@@ -1,0 +1,256 @@
+// Decode attention over each request's own keys, for CPU: `arborlm::decode_attention`.
+//
+// A decode step has one new query token per request. Row n of the inputs is one (KV head,
+// request) pair, laid out head-major as ArborLM's decode workspace keeps them (n = h * B + b):
+// its G query heads (the KV head's group) attend to the first lens[b] of its W keys. Done as
+// two batched matmuls around a softmax (the library path), every row pays for the batch's
+// longest (or padded) key count, the scores make three trips through memory, and the many
+// small products run at a fraction of the machine's speed. Here each row is one pass: every
+// key and value row is read once, for all G queries together; the scores of a row stay in a
+// small per-thread buffer; the softmax uses a vectorized exp; and rows are split over torch's
+// threads. Products and sums are float32 (bfloat16 inputs are widened exactly), the output is
+// rounded once to the inputs' dtype.
+//
+// The kernel also returns each query's log-sum-exp of its scaled scores, so that a caller can
+// merge this part with attention over other keys (a shared prefix read once for a group of
+// requests) as one softmax would.
+//
+// Compiled with per-function target attributes, so the file builds on any x86-64 compiler;
+// `cpu_kernels.py` only calls it on CPUs with AVX-512.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxGroup = 16;    // query heads per KV head
+constexpr int64_t kMaxHeadDim = 256;
+// Fewest multiply-adds a thread is given: below this a thread's start-up outweighs its share.
+constexpr int64_t kMinWorkPerThread = 32 * 1024;
+
+// 16 float32 values from 16 float32 or bfloat16 (widened exactly: bf16 is float32's top half).
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline void store_one(float* p, float x) { *p = x; }
+inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // nearest even
+
+// e^x for x <= 0 (softmax weights after subtracting the maximum): x = n ln2 + r with |r| <=
+// ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error ~1e-7), times 2^n. Inputs
+// below -87.3 give 0 or a denormal, as the library's exp does.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);     // ln2, low bits
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row: q [G, D] against keys/values [len, D] (row `stride` apart) -> out [G, D], lse [G].
+// `scores` holds G * len floats. GROUP and CHUNKS (D / 16) are compile-time constants for the
+// common head shapes, so the queries and accumulators live in registers; 0 means "use the
+// runtime `group` / `dim`" (any other shape, slower).
+template <typename T, int GROUP, int CHUNKS>
+__attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const T* v,
+                                                  int64_t stride, int64_t len, int64_t group_,
+                                                  int64_t dim_, float scale, float* scores,
+                                                  T* out, float* lse) {
+  const int64_t group = GROUP ? GROUP : group_;
+  const int64_t chunks = CHUNKS ? CHUNKS : dim_ / 16;
+  const int64_t dim = chunks * 16;
+  if (len == 0) {  // no keys: no weight anywhere (the caller's other part carries it all)
+    for (int64_t i = 0; i < group * dim; ++i) store_one(out + i, 0.0f);
+    for (int64_t g = 0; g < group; ++g) lse[g] = -std::numeric_limits<float>::infinity();
+    return;
+  }
+  __m512 qv[GROUP && CHUNKS ? GROUP * CHUNKS : kMaxGroup * (kMaxHeadDim / 16)];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = load16(q + g * dim + c * 16);
+
+  // Scores: each key row read once for all G queries.
+  for (int64_t j = 0; j < len; ++j) {
+    const T* kr = k + j * stride;
+    __m512 acc[GROUP ? GROUP : kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 kc = load16(kr + c * 16);
+      for (int64_t g = 0; g < group; ++g)
+        acc[g] = _mm512_fmadd_ps(kc, qv[g * chunks + c], acc[g]);
+    }
+    for (int64_t g = 0; g < group; ++g) scores[g * len + j] = _mm512_reduce_add_ps(acc[g]) * scale;
+  }
+
+  // Softmax weights (unnormalized) and their sums.
+  float total[GROUP ? GROUP : kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+    float m = _mm512_reduce_max_ps(top);
+    for (; j < len; ++j) m = std::max(m, s[j]);
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= len; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+      _mm512_storeu_ps(s + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (j < len) {
+      const __mmask16 tail = __mmask16((1u << (len - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv));
+      _mm512_mask_storeu_ps(s + j, tail, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+    lse[g] = m + std::log(total[g]);
+  }
+
+  // Weighted values: each value row read once for all G queries.
+  __m512* o = qv;  // the queries are no longer needed
+  for (int64_t i = 0; i < group * chunks; ++i) o[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    const T* vr = v + j * stride;
+    __m512 w[GROUP ? GROUP : kMaxGroup];
+    for (int64_t g = 0; g < group; ++g) w[g] = _mm512_set1_ps(scores[g * len + j]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 vc = load16(vr + c * 16);
+      for (int64_t g = 0; g < group; ++g)
+        o[g * chunks + c] = _mm512_fmadd_ps(w[g], vc, o[g * chunks + c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / total[g]);
+    alignas(64) float row[16];
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_store_ps(row, _mm512_mul_ps(o[g * chunks + c], inv));
+      for (int i = 0; i < 16; ++i) store_one(out + g * dim + c * 16 + i, row[i]);
+    }
+  }
+}
+
+using RowFn = void (*)(const void*, const void*, const void*, int64_t, int64_t, int64_t,
+                       int64_t, float, float*, void*, float*);
+
+template <typename T, int GROUP, int CHUNKS>
+void row_entry(const void* q, const void* k, const void* v, int64_t stride, int64_t len,
+               int64_t group, int64_t dim, float scale, float* scores, void* out, float* lse) {
+  attend_row<T, GROUP, CHUNKS>(static_cast<const T*>(q), static_cast<const T*>(k),
+                               static_cast<const T*>(v), stride, len, group, dim, scale, scores,
+                               static_cast<T*>(out), lse);
+}
+
+// The specialized row function for (group, head dim), or the general one.
+template <typename T>
+RowFn pick_row(int64_t group, int64_t dim) {
+#define ARBORLM_ROW(G, D) \
+  if (group == G && dim == D) return &row_entry<T, G, D / 16>;
+  ARBORLM_ROW(1, 64) ARBORLM_ROW(2, 64) ARBORLM_ROW(4, 64) ARBORLM_ROW(8, 64)
+  ARBORLM_ROW(1, 128) ARBORLM_ROW(2, 128) ARBORLM_ROW(4, 128) ARBORLM_ROW(8, 128)
+#undef ARBORLM_ROW
+  return &row_entry<T, 0, 0>;
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            const std::vector<int64_t>& lens, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t rows = q.size(0), group = q.size(1), dim = q.size(2);
+  const int64_t batch = static_cast<int64_t>(lens.size());
+  const int64_t k_row = k.stride(0), v_row = v.stride(0);
+  const int64_t k_key = k.stride(1), v_key = v.stride(1);
+  TORCH_CHECK(k_key == v_key, "decode_attention: k and v must have the same key stride");
+  const int64_t most = *std::max_element(lens.begin(), lens.end());
+  const int64_t work = std::max<int64_t>(most * group * dim, 1);
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / work);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const RowFn row = pick_row<T>(group, dim);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
+    for (int64_t n = begin; n < end; ++n) {
+      row(qp + n * group * dim, kp + n * k_row, vp + n * v_row, k_key, lens[n % batch], group,
+          dim, static_cast<float>(scale), scores.data(), op + n * group * dim, lp + n * group);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& lens,
+                                                    double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "decode_attention: q [N, G, D], k and v [N, W, D] expected, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  const int64_t rows = q.size(0), group = q.size(1), dim = q.size(2);
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && k.size(2) == dim && v.size(2) == dim &&
+                  v.size(1) == k.size(1),
+              "decode_attention: k and v must be [N, W, D] = [", rows, ", W, ", dim, "], got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(dim % 16 == 0 && dim > 0 && dim <= kMaxHeadDim,
+              "decode_attention: head dim must be a multiple of 16 up to ", kMaxHeadDim, ", got ",
+              dim);
+  TORCH_CHECK(group >= 1 && group <= kMaxGroup, "decode_attention: 1 to ", kMaxGroup,
+              " query heads per row, got ", group);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "decode_attention: q, k and v dtypes differ: ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1,
+              "decode_attention: k and v rows must be contiguous in the head dim");
+  TORCH_CHECK(lens.dim() == 1 && lens.numel() >= 1 && rows % lens.numel() == 0,
+              "decode_attention: lens must be [B] with N = ", rows, " a multiple of B, got ",
+              lens.sizes());
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "decode_attention: this CPU lacks AVX-512");
+  const at::Tensor lc = lens.to(at::kLong).contiguous();
+  std::vector<int64_t> lv(lc.data_ptr<int64_t>(), lc.data_ptr<int64_t>() + lc.numel());
+  for (const int64_t n : lv)
+    TORCH_CHECK(n >= 0 && n <= k.size(1), "decode_attention: a length of ", n,
+                " is outside the ", k.size(1), " keys");
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  at::Tensor lse = at::empty({rows, group}, qc.options().dtype(at::kFloat));
+  if (rows == 0) return {out, lse};
+  if (qc.scalar_type() == at::kFloat) {
+    attend<float>(qc, k, v, lv, scale, out, lse);
+  } else if (qc.scalar_type() == at::kBFloat16) {
+    attend<c10::BFloat16>(qc, k, v, lv, scale, out, lse);
+  } else {
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only, got ", qc.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(arborlm, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> "
+        "(Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("decode_attention", &decode_attention); }
