@@ -1,18 +1,20 @@
 """ArborLM's own CPU kernels, C++ torch operators built on first use: `row_gemv` (one-row
 linears, batch-1 decode) and `decode_attention` (decode attention over each request's keys).
 
-`row_gemv`: a batch-1 decode step reads every weight once to produce one row, so it runs at the memory
-bandwidth the linears reach. The library kernels fall short there: on a 2-core AVX512-BF16
-machine, the 32M benchmark model's weights (one step's linears, 111 MB float32) take 10.5 ms
-through MKL's GEMV (10.5 GB/s), 5.8 ms as Inductor's fused reduction (`row_linear`, one
-thread), and 3.5 ms through `row_gemv` (32 GB/s) on two threads. `csrc/row_gemv.cpp` streams
-each weight row front to back with four accumulators and splits the rows over torch's threads;
-bfloat16 uses the AVX512-BF16 dot product (products exact, sums in float32, one rounding).
+`row_gemv`: a batch-1 decode step reads every weight once to produce one row, so it runs at the
+memory bandwidth the linears reach. The library kernels fall short there: on a 2-core
+AVX512-BF16 machine, the 32M benchmark model's weights (one step's linears, 111 MB float32)
+take 10.5 ms through MKL's GEMV (10.5 GB/s), 5.8 ms as Inductor's fused reduction
+(`row_linear`, one thread), and 3.5 ms through `row_gemv` (32 GB/s) on two threads.
+`csrc/row_gemv.cpp` streams each weight row front to back with four accumulators and splits the
+rows over torch's threads; bfloat16 uses the AVX512-BF16 dot product (products exact, sums in
+float32, one rounding).
 
 `decode_attention`: a decode step's attention as one pass per (KV head, request) row over
 its own keys (see `csrc/decode_attention.cpp`), instead of two batched matmuls padded to the
 longest row around a softmax; it also returns each query's log-sum-exp, so that a cascade's
-shared-prefix part merges with it as one softmax would.
+shared-prefix part merges with it as one softmax would. 32M bfloat16, batch 32 at ~96 keys, one
+layer: 143 us against 401 us for the matmuls; the whole decode step 20.0 -> 13.5 ms.
 
 The kernels are C++ torch operators (`torch.ops.arborlm.*`) in one extension, built on first use
 with torch's extension builder (a C++ compiler and ninja; ~20 s, cached on disk after) and traced
