@@ -12,10 +12,10 @@ The graphs are compiled when the engine starts, with the KV length dynamic: one 
 1 and, when `torch_compile_max_bs` > 1, one with the batch size dynamic (2 to it), so no step
 ever waits for a compile and no batch is padded. (The default is batch 1 alone: on a 2-core CPU
 the batched graph decodes slower than the eager path, whose packed linears and dense workspace
-suit batches.) Inductor caches compiled code on disk, so later engines
-start faster. Larger decode batches, sequences longer than `COMPILED_MAX_SEQ_LEN` and extend
-steps run eagerly (`ModelRunner` asks `can_run`); so do decode steps on devices other than
-CPU, where CUDA graphs serve instead.
+suit batches.) Inductor caches compiled code on disk, so later engines start faster. Larger
+decode batches, extend steps and, without the CPU attention kernel, sequences longer than
+`COMPILED_MAX_SEQ_LEN` run eagerly (`ModelRunner` asks `can_run`); so do decode steps on
+devices other than CPU, where CUDA graphs serve instead.
 
 After the warm-up, steps skip Dynamo's guards: the code Dynamo generated for each graph (caught
 with a bytecode hook, as vLLM's compile wrapper does) is called directly, the graph picked by
@@ -61,10 +61,12 @@ logger = logging.getLogger(__name__)
 # decode, load ~1: 32M float32 8.5 -> 6.6 ms/token, bfloat16 6.8 -> 4.4, 125M 21.2 -> 20.6.
 INDUCTOR_OPTIONS = {"cpp_wrapper": True, "realize_opcount_threshold": 2, "cpp.threads": 1,
                     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-# Longest sequence a compiled step attends over. Its attention gathers every key from the pool
-# each step, which grows faster with the length than the eager path's dense workspace: 32M
-# float32 batch 1, compiled vs eager ms/token: 8.5 vs 12.7 at 500 tokens, 10.4 vs 14.0 at 1000,
-# 23.2 vs 13.8 at 2000. Longer batches decode eagerly.
+# Longest sequence a compiled step attends over when its attention is the traced one (no CPU
+# kernel). That attention gathers every key from the pool each step, which grows faster with
+# the length than the eager path's dense workspace: 32M float32 batch 1, compiled vs eager
+# ms/token: 8.5 vs 12.7 at 500 tokens, 10.4 vs 14.0 at 1000, 23.2 vs 13.8 at 2000. Longer
+# batches decode eagerly. ArborLM's kernel reads the pool in place and has no such limit (32M
+# bfloat16 at 2,000 tokens: compiled 3.9-4.5 against eager 5.1-5.5 ms/token).
 COMPILED_MAX_SEQ_LEN = 1024
 # Sequence length of the warm-up steps (any length >= 2 compiles the dynamic-length graph).
 WARMUP_SEQ_LEN = 2
@@ -82,7 +84,7 @@ class CompiledDecodeRunner:
     def __init__(self, runner: ModelRunner, max_bs: int):
         self.runner = runner
         self.max_bs = max_bs
-        self.attention = CompiledDecodeAttention()
+        self.attention = CompiledDecodeAttention(runner.device, runner.kv_pool.dtype)
         use_row_linears(runner.model)  # packed ones trace as row_gemv / row_linear already
         # A code object of this runner's own: Dynamo's code for it (below) is this runner's.
         source = FunctionType(_decode_step.__code__.replace(), globals(), "_decode_step")
@@ -108,11 +110,11 @@ class CompiledDecodeRunner:
                             for bs, code in zip(sizes, captured)}
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode step of at most `max_bs` requests, none longer than `COMPILED_MAX_SEQ_LEN`,
-        whose logits are wanted for every row."""
+        """A decode step of at most `max_bs` requests, whose logits are wanted for every row;
+        with the traced attention, none longer than `COMPILED_MAX_SEQ_LEN`."""
         if not batch.mode.is_decode or batch.batch_size > self.max_bs:
             return False
-        if max(batch.seq_lens_cpu) > COMPILED_MAX_SEQ_LEN:
+        if not self.attention.kernel and max(batch.seq_lens_cpu) > COMPILED_MAX_SEQ_LEN:
             return False
         rows = batch.logits_indices
         return rows is None or rows.numel() == batch.batch_size

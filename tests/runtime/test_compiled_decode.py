@@ -5,8 +5,10 @@ disk cache) with both kinds of traced linear: the larger weights oneDNN-packed (
 models' are), the smaller ones (q/k/v with biases, o, down) `RowLinear`s; batches of 1 and 2
 decode compiled (each graph's code called directly, without Dynamo's guards), a batch of 3 and
 a sequence past `COMPILED_MAX_SEQ_LEN` eagerly, and no step may recompile; then the same
-through Dynamo when no generated code was caught. `row_linear`'s arithmetic is checked
-against `F.linear` directly.
+through Dynamo when no generated code was caught. The engine runs twice: with attention on
+ArborLM's CPU kernel (`decode_attention_paged` in the graph) and with the traced gather-and-sum
+attention that serves where the kernel cannot. `row_linear`'s arithmetic is checked against
+`F.linear` directly.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from arborlm import Engine
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime import compiled_decode
 from arborlm.runtime.config import EngineArgs
-from arborlm.runtime.layers import cpu_linear
+from arborlm.runtime.layers import cpu_kernels, cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 
-def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch):
+@pytest.mark.parametrize("attention", ["kernel", "traced"])
+def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch, attention):
     if not cpu_linear.packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
+    if attention == "kernel" and not cpu_kernels.attention_available(torch.float32):
+        pytest.skip("ArborLM's CPU kernels do not run on this machine")
+    if attention == "traced":
+        monkeypatch.setattr(cpu_kernels, "attention_available", lambda dtype: False)
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # gate_up and lm_head
     path = str(make_tiny_model("qwen2"))
     engine = Engine(path, dtype="float32", enable_torch_compile=True, torch_compile_max_bs=2,
@@ -34,6 +41,7 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch):
     assert kinds.count(cpu_linear.RowLinear) == 2 * 3
     compiled = engine.scheduler.runner.compiled
     assert compiled is not None
+    assert compiled.attention.kernel == (attention == "kernel")
     assert set(compiled._direct) == {1, 2}  # both graphs are called without Dynamo's guards
     sizes: list[int] = []
     forward = compiled.forward
@@ -54,8 +62,9 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch):
     assert {1, 2} <= set(sizes) and 3 not in sizes  # 3 requests exceed torch_compile_max_bs
     monkeypatch.setattr(compiled_decode, "COMPILED_MAX_SEQ_LEN", 20)
     steps = len(sizes)
-    long = engine.generate(input_ids=prompts[2], sampling_params=GREEDY)  # 29 tokens: eager
-    assert len(sizes) == steps
+    long = engine.generate(input_ids=prompts[2], sampling_params=GREEDY)  # 29 tokens
+    # The kernel reads the pool in place: no length limit; the traced gather: eager past it.
+    assert (len(sizes) > steps) == (attention == "kernel")
     assert long["output_ids"] == hf_greedy(path, prompts[2], GREEDY["max_new_tokens"])
     engine.check_integrity()
     engine.shutdown()

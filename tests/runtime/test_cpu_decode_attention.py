@@ -7,7 +7,9 @@ softmax, a single key, no key (zero output, -inf log-sum-exp) and rows that use 
 keys are strided views of a larger buffer, as the decode workspace hands them out; one and two
 threads; a traced call inside `torch.compile`; and the errors on bad arguments. float32 must
 agree with float64 to float32 rounding; bfloat16 (inputs widened exactly, float32 sums) within
-one bfloat16 rounding of the output.
+one bfloat16 rounding of the output. `decode_attention_paged`, the same arithmetic reading the
+keys from a paged pool through scattered slot tables, must equal the kernel run on the gathered
+keys bit for bit.
 """
 
 from __future__ import annotations
@@ -129,3 +131,50 @@ def test_bad_arguments_name_the_problem():
         cpu_kernels.decode_attention(q, k, k, torch.tensor([3, 11]), 1.0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_kernels.decode_attention(q.double(), k.double(), k.double(), lens, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(8, 4), (4, 4), (12, 4), (6, 2)])
+def test_paged_equals_the_gathered_keys(dtype, heads):
+    """Scattered slots (tails of the table are junk past each length): the paged kernel gives
+    the gathered kernel's output exactly, and matches float64."""
+    num_heads, kv_heads = heads
+    gen = torch.Generator().manual_seed(3)
+    bsz, width, dim, num_slots = 5, 70, 64, 600
+    k_pool = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:width] for _ in range(bsz)])
+    lens = torch.tensor([70, 1, 33, 16, 47])
+    slots[1, 1:] = 10**9  # junk past a row's length is never read
+    q = torch.randn(bsz, num_heads, dim, generator=gen).to(dtype)
+    out = cpu_kernels.decode_attention_paged(q, k_pool, v_pool, slots, lens, 0.125)
+
+    group = num_heads // kv_heads
+    safe = slots.clamp(max=num_slots - 1)
+    k = k_pool[safe].permute(2, 0, 1, 3).reshape(kv_heads * bsz, width, dim)  # head-major rows
+    v = v_pool[safe].permute(2, 0, 1, 3).reshape(kv_heads * bsz, width, dim)
+    qh = q.view(bsz, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads * bsz, group, dim)
+    want, lse = cpu_kernels.decode_attention(qh, k, v, lens, 0.125)
+    _check(want, lse, qh, k, v, lens, 0.125)
+    want = want.view(kv_heads, bsz, group, dim).transpose(0, 1).reshape(bsz, num_heads, dim)
+    assert torch.equal(out, want)
+
+
+def test_paged_bad_arguments_name_the_problem():
+    q, pool = torch.randn(2, 8, 64), torch.randn(50, 4, 64)
+    slots, lens = torch.zeros(2, 10, dtype=torch.int64), torch.tensor([3, 10])
+    paged = cpu_kernels.decode_attention_paged
+    with pytest.raises(RuntimeError, match="do not fit"):
+        paged(torch.randn(2, 6, 64), pool, pool, slots, lens, 1.0)
+    with pytest.raises(RuntimeError, match="slots must be int64"):
+        paged(q, pool, pool, slots.int(), lens, 1.0)
+    with pytest.raises(RuntimeError, match="lens must be"):
+        paged(q, pool, pool, slots, torch.tensor([3]), 1.0)
+    with pytest.raises(RuntimeError, match="outside the 10 slots"):
+        paged(q, pool, pool, slots, torch.tensor([3, 11]), 1.0)
+    bad = slots.clone()
+    bad[1, 2] = 50
+    with pytest.raises(RuntimeError, match="slot 50 is outside the pool's 50"):
+        paged(q, pool, pool, bad, lens, 1.0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        paged(q, pool.bfloat16(), pool.bfloat16(), slots, lens, 1.0)

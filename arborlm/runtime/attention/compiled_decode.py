@@ -2,11 +2,13 @@
 
 `CompiledDecodeAttention` stands in for the attention backend while a decode step runs inside
 `torch.compile` (see `arborlm.runtime.compiled_decode`). It has no host-side decisions and no
-Python state per step: every request's keys are gathered from the paged pool by a `[B, L]` slot
-table (`L` = the longest sequence, a dynamic dimension), padding positions are masked by the
-sequence lengths, and the arithmetic follows `torch_native` decode (scores in the activation
-dtype, scaled and softmaxed in float32, probabilities cast back), so greedy results agree with
-the eager path.
+Python state per step: every request's keys are read from the paged pool through a `[B, L]`
+slot table (`L` = the longest sequence, a dynamic dimension). On a CPU with AVX-512 that is
+ArborLM's kernel (`cpu_kernels.decode_attention_paged`, an opaque call in the graph, the
+arithmetic of eager decode's kernel); elsewhere the keys are gathered, padding positions masked
+by the sequence lengths, and the arithmetic follows `torch_native`'s matmul path (scores in the
+activation dtype, scaled and softmaxed in float32, probabilities cast back), so greedy results
+agree with the eager path.
 
 Not here: extend steps, cascade (shared-prefix) decode, the dense decode workspace; a step that
 wants those runs eagerly with `torch_native`.
@@ -20,6 +22,7 @@ import torch
 
 from arborlm.runtime.attention.base import AttentionLayerSpec
 from arborlm.runtime.forward_batch import ForwardBatch
+from arborlm.runtime.layers import cpu_kernels
 
 
 @dataclass
@@ -44,6 +47,11 @@ def compiled_decode_metadata(batch: ForwardBatch) -> CompiledDecodeMeta:
 class CompiledDecodeAttention:
     """The `attn_backend` of a traced decode step (`forward` only; no metadata hooks)."""
 
+    def __init__(self, device: str, dtype: torch.dtype) -> None:
+        # Decided here, eagerly: the traced step only reads the flag.
+        self.kernel = torch.device(device).type == "cpu" \
+            and cpu_kernels.attention_available(dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         """q `[B, H*D]`, the new tokens' k/v `[B, Hkv*D]` -> `[B, H*D]`; stores k/v first."""
@@ -54,6 +62,11 @@ class CompiledDecodeAttention:
         v_buf = batch.kv_pool.v_buffer[layer.layer_id]
         k_buf.index_copy_(0, batch.out_cache_loc, k.view(bsz, hkv, d).to(k_buf.dtype))
         v_buf.index_copy_(0, batch.out_cache_loc, v.view(bsz, hkv, d).to(v_buf.dtype))
+        if self.kernel and q.dtype == k_buf.dtype and cpu_kernels.attention_fits(q.dtype, group, d):
+            out = cpu_kernels.decode_attention_paged(q.view(bsz, layer.num_heads, d), k_buf,
+                                                     v_buf, meta.slots, meta.seq_lens,
+                                                     layer.scaling)
+            return out.view(bsz, layer.num_heads * d)
         width = meta.slots.shape[1]
         valid = torch.arange(width, device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
         slots = torch.where(valid, meta.slots, 0)  # padding reads the reserved slot 0
@@ -67,3 +80,4 @@ class CompiledDecodeAttention:
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = (probs[..., None] * values).sum(dim=-2)  # [B, Hkv, G, D]
         return out.reshape(bsz, layer.num_heads * d)
+

@@ -7,18 +7,20 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
   one on a prefix gathers its slots once per layer.
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
-  attention is then two batched matmuls with exactly the model's FLOPs (each KV head's group of
-  query heads against its own keys) and a float32 softmax. (SDPA's CPU flash kernel costs
-  ~0.1 ms a call even for one short query, more than these few small kernels.)
+  on a CPU with AVX-512, attention is then ArborLM's kernel (`cpu_kernels.decode_attention`):
+  one pass per (KV head, request) over that request's own keys, float32 sums; elsewhere, two
+  batched matmuls with the model's FLOPs (each KV head's group of query heads against its own
+  keys, padded to the longest) and a float32 softmax. (SDPA's CPU flash kernel costs ~0.1 ms a
+  call even for one short query, more than either.)
 - Consecutive decode steps of the same requests keep the padded batch in a `DecodeWorkspace`
   and append each step's new token to it, instead of gathering the whole history again. The
   backend is therefore stateful: one instance serves one model runner (as the registry makes).
 - Cascade decode: requests of a decode batch that share a cached prefix (the radix cache gives
   them the same slots: a system prompt, few-shot examples, a fork's parent) form groups; each
   group's prefix K/V is read once for all its members instead of once per request, and its
-  scores join each member's own scores in one softmax. All groups run in the same few batched
-  matmuls (padded to the longest prefix and the largest group), and the workspace keeps the
-  prefixes too while the batch continues.
+  part joins each member's own part by their log-sum-exps, as one softmax over both would. All
+  groups' prefixes run in the same few batched matmuls (padded to the longest prefix and the
+  largest group), and the workspace keeps the prefixes too while the batch continues.
 
 Not here: sliding windows, custom masks, CUDA graphs (the gather is sized by host lengths).
 """
@@ -306,7 +308,7 @@ class TorchNativeBackend(AttentionBackend):
         k, v = self._keys(k_new, v_new, layer, batch)
         k, v = k.to(q.dtype), v.to(q.dtype)
         qh = q.view(bsz, hkv, group, d).transpose(0, 1).reshape(hkv * bsz, group, d)
-        if meta.kernel and _kernel_fits(q.dtype, group, d):
+        if meta.kernel and cpu_kernels.attention_fits(q.dtype, group, d):
             out, lse = cpu_kernels.decode_attention(qh, k, v, meta.lens, layer.scaling)
         else:
             out, lse = self._own_attention(qh, k, v, meta, layer)
@@ -372,12 +374,6 @@ class TorchNativeBackend(AttentionBackend):
         joint = torch.logaddexp(own_lse, lse)
         own = own.float().mul_(own_lse.sub(joint).exp_())
         return own.add_(pref.mul_(lse.sub_(joint).exp_())).to(qh.dtype)
-
-
-def _kernel_fits(dtype: torch.dtype, group: int, head_dim: int) -> bool:
-    """Whether `cpu_kernels.decode_attention` takes this head shape and dtype."""
-    return dtype in (torch.float32, torch.bfloat16) and 1 <= group <= 16 \
-        and head_dim % 16 == 0 and 0 < head_dim <= 256
 
 
 def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:

@@ -70,6 +70,13 @@ def attention_available(dtype: torch.dtype) -> bool:
     return available(torch.float32) and dtype in (torch.float32, torch.bfloat16)
 
 
+def attention_fits(dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether the decode-attention kernels take this dtype and head shape (G query heads per
+    KV head, head dim)."""
+    return dtype in (torch.float32, torch.bfloat16) and 1 <= group <= 16 \
+        and head_dim % 16 == 0 and 0 < head_dim <= 256
+
+
 def _build() -> bool:
     global _built
     with _lock:
@@ -89,6 +96,7 @@ def _build() -> bool:
             return False
         torch.library.register_fake("arborlm::row_gemv")(_row_gemv_shape)
         torch.library.register_fake("arborlm::decode_attention")(_decode_attention_shape)
+        torch.library.register_fake("arborlm::decode_attention_paged")(_paged_shape)
         _built = True
         return True
 
@@ -132,3 +140,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: to
     scaled scores `[N, G]` float32 (-inf, with a zero output, where a row has no keys);
     `attention_available(q.dtype)` must hold."""
     return torch.ops.arborlm.decode_attention(q, k, v, lens, scale)
+
+
+def _paged_shape(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def decode_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention` reading the keys from the paged pool: request b's query heads q
+    `[B, H, D]` attend to pool rows `slots[b, :lens[b]]` of k/v_pool `[S, Hkv, D]` (its KV head
+    h serving query heads h*G to h*G+G-1). Returns `[B, H, D]` in q's dtype (the pools' too,
+    float32 or bfloat16); `attention_available(q.dtype)` must hold."""
+    return torch.ops.arborlm.decode_attention_paged(q, k_pool, v_pool, slots, lens, scale)

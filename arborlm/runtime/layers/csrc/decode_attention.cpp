@@ -11,6 +11,9 @@
 // threads. Products and sums are float32 (bfloat16 inputs are widened exactly), the output is
 // rounded once to the inputs' dtype.
 //
+// `decode_attention_paged` reads the keys straight from the paged KV pool instead, through each
+// request's slot table (no gather, no workspace): the form a compiled decode step calls.
+//
 // The kernel also returns each query's log-sum-exp of its scaled scores, so that a caller can
 // merge this part with attention over other keys (a shared prefix read once for a group of
 // requests) as one softmax would.
@@ -69,13 +72,15 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One row: q [G, D] against keys/values [len, D] (row `stride` apart) -> out [G, D], lse [G].
+// One row: q [G, D] against keys/values [len, D] -> out [G, D], lse [G]. Key j is at
+// `k + j * stride`, or with a slot table at `k + slots[j] * stride` (the paged pool).
 // `scores` holds G * len floats. GROUP and CHUNKS (D / 16) are compile-time constants for the
 // common head shapes, so the queries and accumulators live in registers; 0 means "use the
 // runtime `group` / `dim`" (any other shape, slower).
 template <typename T, int GROUP, int CHUNKS>
 __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const T* v,
-                                                  int64_t stride, int64_t len, int64_t group_,
+                                                  const int64_t* slots, int64_t stride,
+                                                  int64_t len, int64_t group_,
                                                   int64_t dim_, float scale, float* scores,
                                                   T* out, float* lse) {
   const int64_t group = GROUP ? GROUP : group_;
@@ -92,7 +97,7 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
 
   // Scores: each key row read once for all G queries.
   for (int64_t j = 0; j < len; ++j) {
-    const T* kr = k + j * stride;
+    const T* kr = k + (slots ? slots[j] : j) * stride;
     __m512 acc[GROUP ? GROUP : kMaxGroup];
     for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
@@ -133,7 +138,7 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
   __m512* o = qv;  // the queries are no longer needed
   for (int64_t i = 0; i < group * chunks; ++i) o[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
-    const T* vr = v + j * stride;
+    const T* vr = v + (slots ? slots[j] : j) * stride;
     __m512 w[GROUP ? GROUP : kMaxGroup];
     for (int64_t g = 0; g < group; ++g) w[g] = _mm512_set1_ps(scores[g * len + j]);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -152,15 +157,16 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
   }
 }
 
-using RowFn = void (*)(const void*, const void*, const void*, int64_t, int64_t, int64_t,
-                       int64_t, float, float*, void*, float*);
+using RowFn = void (*)(const void*, const void*, const void*, const int64_t*, int64_t, int64_t,
+                       int64_t, int64_t, float, float*, void*, float*);
 
 template <typename T, int GROUP, int CHUNKS>
-void row_entry(const void* q, const void* k, const void* v, int64_t stride, int64_t len,
-               int64_t group, int64_t dim, float scale, float* scores, void* out, float* lse) {
+void row_entry(const void* q, const void* k, const void* v, const int64_t* slots,
+               int64_t stride, int64_t len, int64_t group, int64_t dim, float scale,
+               float* scores, void* out, float* lse) {
   attend_row<T, GROUP, CHUNKS>(static_cast<const T*>(q), static_cast<const T*>(k),
-                               static_cast<const T*>(v), stride, len, group, dim, scale, scores,
-                               static_cast<T*>(out), lse);
+                               static_cast<const T*>(v), slots, stride, len, group, dim, scale,
+                               scores, static_cast<T*>(out), lse);
 }
 
 // The specialized row function for (group, head dim), or the general one.
@@ -194,8 +200,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
     for (int64_t n = begin; n < end; ++n) {
-      row(qp + n * group * dim, kp + n * k_row, vp + n * v_row, k_key, lens[n % batch], group,
-          dim, static_cast<float>(scale), scores.data(), op + n * group * dim, lp + n * group);
+      row(qp + n * group * dim, kp + n * k_row, vp + n * v_row, nullptr, k_key,
+          lens[n % batch], group, dim, static_cast<float>(scale), scores.data(),
+          op + n * group * dim, lp + n * group);
     }
   });
 }
@@ -246,11 +253,103 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
+
+template <typename T>
+void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& slots, const std::vector<int64_t>& lens, double scale,
+                  at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
+  const int64_t width = slots.size(1);
+  const int64_t most = *std::max_element(lens.begin(), lens.end());
+  const int64_t grain = std::max<int64_t>(
+      1, kMinWorkPerThread / std::max<int64_t>(most * group * dim, 1));
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const RowFn row = pick_row<T>(group, dim);
+  // Rows n = b * Hkv + h: request b's KV head h; key j at pool row slots[b, j], head h.
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
+    std::vector<float> lse(static_cast<size_t>(group));
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t b = n / kv_heads, h = n % kv_heads;
+      row(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, sp + b * width,
+          kv_heads * dim, lens[b], group, dim, static_cast<float>(scale), scores.data(),
+          op + (b * heads + h * group) * dim, lse.data());
+    }
+  });
+}
+
+at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
+                                  const at::Tensor& v_pool, const at::Tensor& slots,
+                                  const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "decode_attention_paged: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
+              "decode_attention_paged: q [B, H, D], k_pool and v_pool [S, Hkv, D] expected, "
+              "got ", q.sizes(), ", ", k_pool.sizes(), ", ", v_pool.sizes());
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == dim && kv_heads > 0 && heads % kv_heads == 0,
+              "decode_attention_paged: pool heads [", kv_heads, ", ", k_pool.size(2),
+              "] do not fit q's [", heads, ", ", dim, "]");
+  TORCH_CHECK(dim % 16 == 0 && dim > 0 && dim <= kMaxHeadDim,
+              "decode_attention_paged: head dim must be a multiple of 16 up to ", kMaxHeadDim,
+              ", got ", dim);
+  TORCH_CHECK(heads / kv_heads <= kMaxGroup, "decode_attention_paged: at most ", kMaxGroup,
+              " query heads per KV head, got ", heads / kv_heads);
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() &&
+                  q.scalar_type() == v_pool.scalar_type(),
+              "decode_attention_paged: q and pool dtypes differ: ", q.scalar_type(), ", ",
+              k_pool.scalar_type(), ", ", v_pool.scalar_type());
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "decode_attention_paged: the pools must be contiguous");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == batch && slots.scalar_type() == at::kLong,
+              "decode_attention_paged: slots must be int64 [B, W] with B = ", batch, ", got ",
+              slots.scalar_type(), " ", slots.sizes());
+  TORCH_CHECK(lens.dim() == 1 && lens.numel() == batch,
+              "decode_attention_paged: lens must be [B] = [", batch, "], got ", lens.sizes());
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "decode_attention_paged: this CPU lacks AVX-512");
+  const at::Tensor sc = slots.contiguous();
+  const at::Tensor lc = lens.to(at::kLong).contiguous();
+  std::vector<int64_t> lv(lc.data_ptr<int64_t>(), lc.data_ptr<int64_t>() + lc.numel());
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const int64_t num_slots = k_pool.size(0);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lv[b] >= 0 && lv[b] <= sc.size(1), "decode_attention_paged: a length of ",
+                lv[b], " is outside the ", sc.size(1), " slots of a row");
+    for (int64_t j = 0; j < lv[b]; ++j)
+      TORCH_CHECK(sp[b * sc.size(1) + j] >= 0 && sp[b * sc.size(1) + j] < num_slots,
+                  "decode_attention_paged: slot ", sp[b * sc.size(1) + j], " is outside the pool's ",
+                  num_slots);
+  }
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (batch == 0) return out;
+  if (qc.scalar_type() == at::kFloat) {
+    attend_paged<float>(qc, k_pool, v_pool, sc, lv, scale, out);
+  } else if (qc.scalar_type() == at::kBFloat16) {
+    attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, lv, scale, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention_paged: float32 or bfloat16 only, got ",
+                qc.scalar_type());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(arborlm, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> "
         "(Tensor, Tensor)");
+  m.def("decode_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
+        "Tensor lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_paged", &decode_attention_paged);
+}
