@@ -1,9 +1,9 @@
 """The CPU speed paths keep greedy decoding equal to transformers, token for token (float32).
 
-Cascade decode (groups of a batch that share a cached prefix read it once each), the decode
-workspace, batch-1 decode, prompts prefilled without reading the pool and oneDNN-prepacked
-linears are all checked end to end; plus the `dtype=auto` rule (bfloat16 on CPUs with native
-bfloat16) on fake `/proc/cpuinfo` files.
+Cascade decode and extend (groups of a batch that share a cached prefix read it once each), the
+decode workspace, batch-1 decode, prompts prefilled without reading the pool and oneDNN-
+prepacked linears are all checked end to end; plus the `dtype=auto` rule (bfloat16 on CPUs with
+native bfloat16) on fake `/proc/cpuinfo` files.
 """
 
 from __future__ import annotations
@@ -39,6 +39,29 @@ def test_cascade_decode_matches_transformers(make_tiny_model, monkeypatch):
                     sampling_params={"max_new_tokens": 1})  # cache both prefixes
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert 2 in groups, "the batch never took the cascade path with both groups"
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_cascade_extend_matches_transformers(make_tiny_model, monkeypatch):
+    """Prompts on one long shared prefix, sent together: the first is prefilled, the others
+    extend on its cached prefix as one cascade group; greedy outputs equal transformers'."""
+    path = str(make_tiny_model("llama"))
+    sizes = []
+    extend_group = torch_native.TorchNativeBackend._extend_group
+
+    def counting(*args):
+        sizes.append(len(args[4].members))
+        return extend_group(*args)
+
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "_extend_group", staticmethod(counting))
+    shared = [(7 * i) % 400 + 10 for i in range(100)]  # > CASCADE_MIN_PREFIX tokens
+    prompts = [shared + [20 + j, 30 + j, 40 + 2 * j][: 1 + j % 3] for j in range(5)]
+    engine = Engine(path, dtype="float32", debug_integrity=True)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert 4 in sizes, f"no extend of the 4 later prompts as one group: {sizes}"
     for prompt, out in zip(prompts, outs):
         assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
     engine.check_integrity()

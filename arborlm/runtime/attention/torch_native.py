@@ -27,7 +27,7 @@ Not here: sliding windows, custom masks, CUDA graphs (the gather is sized by hos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -76,9 +76,28 @@ class _DecodeMeta:
 
 
 @dataclass
+class _ExtendGroup:
+    """Requests of an extend batch on the same cached prefix: it is read once for all of them.
+    The members' new tokens are laid out padded, `[M, E]` (E = the most new tokens of one)."""
+
+    slots: torch.Tensor  # [P] the shared prefix's KV slots
+    tokens: torch.Tensor  # [M * E] batch row of each padded position (padding: the last)
+    own_slots: torch.Tensor  # [M * L] KV slots after the shared prefix, new ones included
+    # (L = the most of one member; padding: slot 0)
+    own_mask: torch.Tensor  # [M, E, L] bool: True where a new token attends to an own key
+    # (padding rows repeat the member's last real row)
+    real: torch.Tensor  # [N] padded positions that are real tokens, in batch order
+    members: list[int]  # batch indices
+    max_new: int  # E
+    max_own: int  # L
+
+
+@dataclass
 class _ExtendMeta:
     slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots, None without a prefix
     masks: list[torch.Tensor | None]  # per request: [ext, seq_len] bool (True = attend) or None
+    groups: list[_ExtendGroup] = field(default_factory=list)  # cascade groups (members are
+    # then attended by `_extend_group`, not one by one)
 
 
 def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -140,9 +159,14 @@ class TorchNativeBackend(AttentionBackend):
                 continue
             seq = prefix + ext
             slots.append(table[row, :seq])
-            q_pos = torch.arange(prefix, seq, device=table.device)[:, None]
-            masks.append(torch.arange(seq, device=table.device)[None, :] <= q_pos)  # [ext, seq]
-        return _ExtendMeta(slots=slots, masks=masks)
+            masks.append(_causal_mask(prefix, ext, 0, table.device))  # [ext, seq]
+        starts = [0]
+        for ext in batch.extend_seq_lens_cpu:
+            starts.append(starts[-1] + ext)
+        groups = [_extend_group_meta(members, shared, slots, starts, batch.extend_prefix_lens_cpu,
+                                     table.device)
+                  for members, shared in _extend_groups(table, rows, batch.extend_prefix_lens_cpu)]
+        return _ExtendMeta(slots=slots, masks=masks, groups=groups)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
@@ -161,9 +185,17 @@ class TorchNativeBackend(AttentionBackend):
         v_buf = batch.kv_pool.v_buffer[layer.layer_id]
         gqa = layer.num_heads != layer.num_kv_heads
         out = torch.empty_like(q)
-        start = 0
-        for ext, slots, mask in zip(batch.extend_seq_lens_cpu, meta.slots, meta.masks):
-            end = start + ext
+        starts = [0]
+        for ext in batch.extend_seq_lens_cpu:
+            starts.append(starts[-1] + ext)
+        grouped = set()
+        for group in meta.groups:
+            TorchNativeBackend._extend_group(q, k_buf, v_buf, layer, group, starts, out)
+            grouped.update(group.members)
+        for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
+            if i in grouped:
+                continue
+            start, end = starts[i], starts[i + 1]
             if slots is None:
                 ki, vi = k[start:end], v[start:end]  # [ext, Hkv, D]
             else:
@@ -175,8 +207,43 @@ class TorchNativeBackend(AttentionBackend):
                 attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa,
             )  # [1, H, ext, D]
             out[start:end] = oi[0].transpose(0, 1)
-            start = end
         return out
+
+    @staticmethod
+    def _extend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                      layer: AttentionLayerSpec, g: _ExtendGroup, starts: list[int],
+                      out: torch.Tensor) -> None:
+        """Cascade extend: all members' new queries attend to the shared prefix in one flash
+        attention call (the prefix's K/V read once, not once per member), and to their own
+        keys (the rest of each prefix and the new tokens, causally) in one more over the
+        members, padded; the two parts merge by their log-sum-exps, as one softmax over both
+        would. Writes the members' `out` rows."""
+        hkv, d, h = layer.num_kv_heads, layer.head_dim, layer.num_heads
+        group = h // hkv
+        m, e, width = len(g.members), g.max_new, g.max_own
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [..., Hkv, D] -> [..., H, D]
+            return x.to(q.dtype) if group == 1 else x.to(q.dtype).repeat_interleave(group, -2)
+
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        qs = q.index_select(0, g.tokens)  # padded [M*E, H, D]
+        kp = heads(k_buf.index_select(0, g.slots)).transpose(0, 1)[None]  # [1, H, P, D]
+        vp = heads(v_buf.index_select(0, g.slots)).transpose(0, 1)[None]
+        real = qs.index_select(0, g.real).transpose(0, 1)[None]  # [1, H, N, D]
+        shared, shared_lse = flash(real, kp, vp, 0.0, False, scale=layer.scaling)
+        ko = heads(k_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
+        vo = heads(v_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
+        mask = torch.zeros(g.own_mask.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill_(~g.own_mask, float("-inf"))[:, None]  # [M, 1, E, L]
+        own, own_lse = flash(qs.view(m, e, h, d).transpose(1, 2), ko, vo, 0.0, False,
+                             attn_mask=mask, scale=layer.scaling)  # [M, H, E, D], [M, H, E]
+        own = own.transpose(1, 2).reshape(m * e, h, d).index_select(0, g.real).float()
+        own_lse = own_lse.transpose(1, 2).reshape(m * e, h).index_select(0, g.real)[..., None]
+        shared_lse = shared_lse[0].transpose(0, 1)[..., None]  # [N, H, 1]
+        joint = torch.logaddexp(shared_lse, own_lse)
+        res = shared[0].transpose(0, 1).float().mul_(shared_lse.sub_(joint).exp_())
+        res.add_(own.mul_(own_lse.sub_(joint).exp_()))
+        out.index_copy_(0, g.tokens.index_select(0, g.real), res.to(out.dtype))
 
     # --- decode -------------------------------------------------------------------------------
 
@@ -374,6 +441,57 @@ class TorchNativeBackend(AttentionBackend):
         joint = torch.logaddexp(own_lse, lse)
         own = own.float().mul_(own_lse.sub(joint).exp_())
         return own.add_(pref.mul_(lse.sub_(joint).exp_())).to(qh.dtype)
+
+
+def _causal_mask(prefix: int, ext: int, first: int, device) -> torch.Tensor:
+    """`[ext, prefix + ext - first]` bool: new token t (position prefix + t) attends to the
+    positions first.. up to its own."""
+    q_pos = torch.arange(prefix, prefix + ext, device=device)[:, None]
+    return torch.arange(first, prefix + ext, device=device)[None, :] <= q_pos
+
+
+def _extend_group_meta(members: list[int], shared: int, slots: list[torch.Tensor | None],
+                       starts: list[int], prefixes: list[int], device) -> _ExtendGroup:
+    """The padded layout of one cascade extend group (see `_ExtendGroup`)."""
+    exts = [starts[i + 1] - starts[i] for i in members]
+    owns = [slots[i][shared:] for i in members]  # the rest of the prefix, then the new tokens
+    e, width = max(exts), max(len(o) for o in owns)
+    tokens, own_slots, real = [], [], []
+    mask = torch.zeros((len(members), e, width), dtype=torch.bool, device=device)
+    for j, (i, ext, own) in enumerate(zip(members, exts, owns)):
+        tokens.extend(starts[i] + min(t, ext - 1) for t in range(e))
+        real.extend(j * e + t for t in range(ext))
+        own_slots.append(torch.nn.functional.pad(own, (0, width - len(own))))
+        mask[j, :ext, :len(own)] = _causal_mask(prefixes[i], ext, shared, device)
+        mask[j, ext:] = mask[j, ext - 1]  # padding rows: as the last real one (never all -inf)
+    return _ExtendGroup(slots=slots[members[0]][:shared],
+                        tokens=torch.tensor(tokens, device=device),
+                        own_slots=torch.cat(own_slots), own_mask=mask,
+                        real=torch.tensor(real, device=device), members=members, max_new=e,
+                        max_own=width)
+
+
+def _extend_groups(table: torch.Tensor, rows: list[int],
+                   prefixes: list[int]) -> list[tuple[list[int], int]]:
+    """Cascade groups of an extend batch, `(members, shared length)`: requests whose cached
+    prefixes hold the same slot at position `CASCADE_MIN_PREFIX - 1` (the radix cache's same
+    path) and agree on at least `CASCADE_MIN_PREFIX` slots."""
+    eligible = [i for i, p in enumerate(prefixes) if p >= CASCADE_MIN_PREFIX]
+    if len(eligible) < 2:
+        return []
+    members: dict[int, list[int]] = {}
+    keys = table[[rows[i] for i in eligible], CASCADE_MIN_PREFIX - 1].tolist()
+    for i, key in zip(eligible, keys):
+        members.setdefault(key, []).append(i)
+    groups = []
+    for group in members.values():
+        if len(group) < 2:
+            continue
+        block = table[[rows[i] for i in group], :min(prefixes[i] for i in group)]
+        shared = int((block == block[:1]).all(dim=0).cumprod(dim=0).sum())
+        if shared >= CASCADE_MIN_PREFIX:
+            groups.append((group, shared))
+    return groups
 
 
 def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:

@@ -129,6 +129,25 @@ def test_cascade_decode_over_several_groups(layout, dtype, monkeypatch, decode_p
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("layout", ["gqa2", "mha", "mqa"])
+def test_cascade_extend_over_shared_prefixes(layout, dtype, monkeypatch):
+    """An extend batch with two groups on cached prefixes (one member's prefix longer than the
+    shared part), a request on an unshared prefix and a fresh prompt: each group's prefix is
+    attended once for all its members, and every row matches the reference."""
+    heads, kv_heads, head_dim = LAYOUTS[layout]
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    case = make_case([20, 31, 12, 25, 40, 9, 0], [5, 1, 7, 3, 4, 6, 8], heads, kv_heads,
+                     head_dim, 1, dtype, seed=21)
+    _share_prefix(case, 12, [0, 1, 2])  # member 1's prefix runs 19 tokens past the shared 12
+    _share_prefix(case, 24, [4, 3])
+    out = run_backend(TorchNativeBackend(), case)
+    groups = case.batch.attn_metadata.groups
+    assert sorted((g.members, g.slots.numel()) for g in groups) == [([0, 1, 2], 12),
+                                                                     ([3, 4], 24)]
+    assert_close(out, dense_reference(case).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_cascade_groups_in_the_workspace(dtype, monkeypatch):
     """Fill, append, then a member of each group leaves: the prefixes stay in the workspace,
     the others' own keys are kept, and every step matches the reference."""
