@@ -4,7 +4,10 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
 
 - Extend attends request by request with `scaled_dot_product_attention`. A request with no
   cached prefix attends to its own new K/V straight from the projection (no read of the pool);
-  one on a prefix gathers its slots once per layer.
+  one on a prefix gathers its slots once per layer. Requests of one extend batch on the same
+  cached prefix (at least `CASCADE_MIN_PREFIX` shared slots) attend together instead (cascade
+  extend): the shared prefix once for all their new tokens, their own keys padded in one more
+  call, the parts merged by log-sum-exp.
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
   on a CPU with AVX-512, attention is then ArborLM's kernel (`cpu_kernels.decode_attention`):
