@@ -46,6 +46,9 @@ CASCADE_MIN_PREFIX = 64
 # ... and the batch decodes through its groups when that reads at least this fraction of its
 # keys fewer times (else one dense batch is cheaper: fewer, larger kernels).
 CASCADE_MIN_SAVING = 0.25
+# Most new tokens of a request that extends in a cascade group: members' own parts are padded
+# to the longest, and a long extend is dominated by its own keys anyway (it attends alone).
+CASCADE_EXTEND_MAX_NEW = 256
 
 
 @dataclass
@@ -93,6 +96,7 @@ class _ExtendGroup:
     members: list[int]  # batch indices
     max_new: int  # E
     max_own: int  # L
+    float_masks: dict = field(default_factory=dict)  # dtype -> own_mask as 0 / -inf `[M,1,E,L]`
 
 
 @dataclass
@@ -166,9 +170,9 @@ class TorchNativeBackend(AttentionBackend):
         starts = [0]
         for ext in batch.extend_seq_lens_cpu:
             starts.append(starts[-1] + ext)
-        groups = [_extend_group_meta(members, shared, slots, starts, batch.extend_prefix_lens_cpu,
-                                     table.device)
-                  for members, shared in _extend_groups(table, rows, batch.extend_prefix_lens_cpu)]
+        prefixes, exts = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+        groups = [_extend_group_meta(members, shared, slots, starts, prefixes, table.device)
+                  for members, shared in _extend_groups(table, rows, prefixes, exts)]
         return _ExtendMeta(slots=slots, masks=masks, groups=groups)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec,
@@ -236,8 +240,10 @@ class TorchNativeBackend(AttentionBackend):
         shared, shared_lse = flash(real, kp, vp, 0.0, False, scale=layer.scaling)
         ko = heads(k_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
         vo = heads(v_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
-        mask = torch.zeros(g.own_mask.shape, dtype=q.dtype, device=q.device)
-        mask = mask.masked_fill_(~g.own_mask, float("-inf"))[:, None]  # [M, 1, E, L]
+        mask = g.float_masks.get(q.dtype)
+        if mask is None:  # built by the first layer, for all
+            mask = torch.zeros(g.own_mask.shape, dtype=q.dtype, device=q.device)
+            mask = g.float_masks[q.dtype] = mask.masked_fill_(~g.own_mask, float("-inf"))[:, None]
         own, own_lse = flash(qs.view(m, e, h, d).transpose(1, 2), ko, vo, 0.0, False,
                              attn_mask=mask, scale=layer.scaling)  # [M, H, E, D], [M, H, E]
         own = own.transpose(1, 2).reshape(m * e, h, d).index_select(0, g.real).float()
@@ -474,12 +480,14 @@ def _extend_group_meta(members: list[int], shared: int, slots: list[torch.Tensor
                         max_own=width)
 
 
-def _extend_groups(table: torch.Tensor, rows: list[int],
-                   prefixes: list[int]) -> list[tuple[list[int], int]]:
-    """Cascade groups of an extend batch, `(members, shared length)`: requests whose cached
-    prefixes hold the same slot at position `CASCADE_MIN_PREFIX - 1` (the radix cache's same
-    path) and agree on at least `CASCADE_MIN_PREFIX` slots."""
-    eligible = [i for i, p in enumerate(prefixes) if p >= CASCADE_MIN_PREFIX]
+def _extend_groups(table: torch.Tensor, rows: list[int], prefixes: list[int],
+                   exts: list[int]) -> list[tuple[list[int], int]]:
+    """Cascade groups of an extend batch, `(members, shared length)`: requests of at most
+    `CASCADE_EXTEND_MAX_NEW` new tokens whose cached prefixes hold the same slot at position
+    `CASCADE_MIN_PREFIX - 1` (the radix cache's same path) and agree on at least
+    `CASCADE_MIN_PREFIX` slots."""
+    eligible = [i for i, (p, e) in enumerate(zip(prefixes, exts))
+                if p >= CASCADE_MIN_PREFIX and e <= CASCADE_EXTEND_MAX_NEW]
     if len(eligible) < 2:
         return []
     members: dict[int, list[int]] = {}

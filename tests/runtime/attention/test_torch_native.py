@@ -147,6 +147,17 @@ def test_cascade_extend_over_shared_prefixes(layout, dtype, monkeypatch):
     assert_close(out, dense_reference(case).to(dtype), dtype)
 
 
+def test_long_extends_attend_alone(monkeypatch):
+    """A member with more than CASCADE_EXTEND_MAX_NEW new tokens leaves its group."""
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    monkeypatch.setattr(torch_native, "CASCADE_EXTEND_MAX_NEW", 6)
+    case = make_case([20, 31, 12], [5, 1, 7], 4, 2, 64, 1, torch.float32, seed=22)
+    _share_prefix(case, 12)
+    out = run_backend(TorchNativeBackend(), case)
+    assert [g.members for g in case.batch.attn_metadata.groups] == [[0, 1]]
+    assert_close(out, dense_reference(case), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_cascade_groups_in_the_workspace(dtype, monkeypatch):
     """Fill, append, then a member of each group leaves: the prefixes stay in the workspace,
