@@ -10,6 +10,10 @@ take 10.5 ms through MKL's GEMV (10.5 GB/s), 5.8 ms as Inductor's fused reductio
 rows over torch's threads; bfloat16 uses the AVX512-BF16 dot product (products exact, sums in
 float32, one rounding).
 
+`add_rms_norm` and `silu_and_mul` (float32, eager forward): a residual add fused with RMSNorm,
+and SwiGLU, one pass over the activations each instead of ATen's six and three (see
+`csrc/elementwise.cpp`).
+
 `decode_attention`: a decode step's attention as one pass per (KV head, request) row over
 its own keys (see `csrc/decode_attention.cpp`), instead of two batched matmuls padded to the
 longest row around a softmax; it also returns each query's log-sum-exp, so that a cascade's
@@ -26,6 +30,7 @@ AVX512-BF16), and a build that succeeded; otherwise callers keep their library p
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -37,10 +42,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-           for name in ("row_gemv.cpp", "decode_attention.cpp")]
-# Changing a source rebuilds on its own (the builder hashes them); the name is the cache entry.
-EXTENSION_NAME = "arborlm_cpu_kernels"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / name for name in ("row_gemv.cpp", "decode_attention.cpp", "elementwise.cpp")]
+# The cache entry's name carries a hash of every source and header: the builder itself hashes
+# only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
+EXTENSION_NAME = "arborlm_cpu_kernels_" + hashlib.sha256(
+    b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:12]
 
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet; else whether the operator is registered
@@ -70,6 +77,11 @@ def attention_available(dtype: torch.dtype) -> bool:
     return available(torch.float32) and dtype in (torch.float32, torch.bfloat16)
 
 
+def elementwise_available(dtype: torch.dtype) -> bool:
+    """Whether `add_rms_norm` and `silu_and_mul` run here for `dtype` (float32 on AVX-512)."""
+    return dtype == torch.float32 and available(torch.float32)
+
+
 def attention_fits(dtype: torch.dtype, group: int, head_dim: int) -> bool:
     """Whether the decode-attention kernels take this dtype and head shape (G query heads per
     KV head, head dim)."""
@@ -97,6 +109,8 @@ def _build() -> bool:
         torch.library.register_fake("arborlm::row_gemv")(_row_gemv_shape)
         torch.library.register_fake("arborlm::decode_attention")(_decode_attention_shape)
         torch.library.register_fake("arborlm::decode_attention_paged")(_paged_shape)
+        torch.library.register_fake("arborlm::add_rms_norm")(_norm_shape)
+        torch.library.register_fake("arborlm::silu_and_mul")(_silu_shape)
         _built = True
         return True
 
@@ -154,3 +168,25 @@ def decode_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     h serving query heads h*G to h*G+G-1). Returns `[B, H, D]` in q's dtype (the pools' too,
     float32 or bfloat16); `attention_available(q.dtype)` must hold."""
     return torch.ops.arborlm.decode_attention_paged(q, k_pool, v_pool, slots, lens, scale)
+
+
+def _norm_shape(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _silu_shape(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """RMSNorm of x `[T, H]` float32 times weight `[H]`; with `residual` `[T, H]`, first adds
+    x into it in place and normalizes the sum. `elementwise_available(x.dtype)` must hold."""
+    return torch.ops.arborlm.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` `[T, I]` of gate_up `[T, 2I]` float32 (gate first), one pass;
+    `elementwise_available(gate_up.dtype)` must hold."""
+    return torch.ops.arborlm.silu_and_mul(gate_up)

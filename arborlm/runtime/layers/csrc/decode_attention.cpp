@@ -34,7 +34,11 @@
 #include <tuple>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+using arborlm_cpu::exp16;
 
 constexpr int64_t kMaxGroup = 16;    // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;
@@ -52,25 +56,6 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) 
 
 inline void store_one(float* p, float x) { *p = x; }
 inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // nearest even
-
-// e^x for x <= 0 (softmax weights after subtracting the maximum): x = n ln2 + r with |r| <=
-// ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error ~1e-7), times 2^n. Inputs
-// below -87.3 give 0 or a denormal, as the library's exp does.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);     // ln2, low bits
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One row: q [G, D] against keys/values [len, D] -> out [G, D], lse [G]. Key j is at
 // `k + j * stride`, or with a slot table at `k + slots[j] * stride` (the paged pool).
