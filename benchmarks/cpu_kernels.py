@@ -1,0 +1,163 @@
+"""ArborLM's own CPU kernels against the library calls they replace, on the 32M benchmark model's
+shapes, in one run.
+
+Each row times ArborLM's kernel and its peer alternately (`--repeats` rounds of `--calls` calls
+each) and prints both medians and the peer/ours ratio (above 1: ours is faster):
+
+  row_gemv         one step's one-row linears (8 layers: qkv, o, gate_up, down; the head):
+                   `torch.ops.arborlm.row_gemv` against `F.linear` (MKL / oneDNN GEMV)
+  huge pages       the same `row_gemv` stream with the weights on transparent huge pages
+                   (`HugePageArena`) against torch's own allocations
+  decode attention batch 32, 8 heads over 4 KV heads, ~96 of 192 keys per request (the decode
+                   workspace's padded layout): `decode_attention` against two batched matmuls
+                   around a float32 softmax (the path it replaced)
+  add_rms_norm     a 512-token prefill's residual add + RMSNorm, float32: one pass against
+                   `residual.add_(x)` + `F.rms_norm`
+  silu_and_mul     a 512-token prefill's SwiGLU, float32: one pass against `F.silu(g) * u`
+
+    python benchmarks/cpu_kernels.py [--threads 2] [--repeats 7]
+
+CPUs without AVX-512 have none of these kernels; the script says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import table  # noqa: E402
+
+from arborlm.runtime.layers import cpu_kernels, huge_pages  # noqa: E402
+
+HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 512, 1408, 8, 8192, 8, 4, 64
+LINEARS = [(3 * HIDDEN // 2 + HIDDEN // 2, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN),
+           (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]  # (out, in); qkv = 512 + 2 * 256
+
+
+def timed(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of `calls` back-to-back calls."""
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls
+
+
+def compare(ours: Callable[[], object], peer: Callable[[], object], repeats: int,
+            calls: int) -> tuple[float, float, float]:
+    """(our median, the peer's median, median of peer/ours per round), seconds; alternating."""
+    for fn in (ours, peer):
+        timed(fn, max(2, calls // 4))  # warm-up
+    a, p = [], []
+    for _ in range(repeats):
+        a.append(timed(ours, calls))
+        p.append(timed(peer, calls))
+    return statistics.median(a), statistics.median(p), statistics.median(
+        y / x for x, y in zip(a, p))
+
+
+def gemv_rows(dtype: torch.dtype, repeats: int, calls: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in LINEARS]
+    xs = [torch.randn(1, i, generator=gen).to(dtype) for _, i in LINEARS]
+    mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    rows = []
+    ours = lambda ws: lambda: [cpu_kernels.row_gemv(x, w) for x, w in zip(xs, ws)]  # noqa: E731
+    a, p, r = compare(ours(weights), lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
+                      repeats, calls)
+    rows.append(("row_gemv", str(dtype).removeprefix("torch."), f"{mb:.0f} MB",
+                 f"{a * 1e3:.2f} ms ({mb / 1e3 / a:.0f} GB/s)",
+                 f"F.linear {p * 1e3:.2f} ms", f"{r:.2f}x"))
+    if huge_pages.huge_pages_possible():
+        arena = huge_pages.HugePageArena(sum(-(-w.numel() * w.element_size() // 64) * 64
+                                             for w in weights))
+        on_huge = [arena.copy(w) for w in weights]
+        a, p, r = compare(ours(on_huge), ours(weights), repeats, calls)
+        rows.append(("huge pages", str(dtype).removeprefix("torch."), f"{mb:.0f} MB",
+                     f"{a * 1e3:.2f} ms ({mb / 1e3 / a:.0f} GB/s)",
+                     f"4 KiB pages {p * 1e3:.2f} ms", f"{r:.2f}x"))
+    return rows
+
+
+def attention_row(dtype: torch.dtype, repeats: int, calls: int) -> tuple:
+    bsz, keys, cap, group = 32, 96, 192, HEADS // KV_HEADS
+    gen = torch.Generator().manual_seed(1)
+    kbuf = torch.randn(KV_HEADS * bsz, cap, HEAD_DIM, generator=gen).to(dtype)
+    vbuf = torch.randn(KV_HEADS * bsz, cap, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(KV_HEADS * bsz, group, HEAD_DIM, generator=gen).to(dtype)
+    lens = torch.full((bsz,), keys)
+    mask = torch.zeros(1, bsz, 1, cap)
+    mask[..., keys:] = float("-inf")
+    scale = HEAD_DIM ** -0.5
+    # The matmul path's width: float32 reads the longest row (a strided view is fastest there),
+    # bfloat16 the whole capacity (its batched matmuls want a contiguous operand).
+    width = keys if dtype == torch.float32 else cap
+
+    def matmuls() -> torch.Tensor:
+        k, v = kbuf[:, :width], vbuf[:, :width]
+        s = torch.bmm(q, k.transpose(1, 2)).float().view(KV_HEADS, bsz, group, width)
+        s = s.mul_(scale).add_(mask[..., :width])
+        probs = torch.softmax(s, dim=-1).to(dtype).view(-1, group, width)
+        return torch.bmm(probs, v)
+
+    a, p, r = compare(lambda: cpu_kernels.decode_attention(q, kbuf[:, :keys], vbuf[:, :keys],
+                                                            lens, scale),
+                      matmuls, repeats, calls)
+    return ("decode attention", str(dtype).removeprefix("torch."), "B=32, 96/192 keys",
+            f"{a * 1e6:.0f} us", f"bmm-softmax-bmm {p * 1e6:.0f} us", f"{r:.2f}x")
+
+
+def elementwise_rows(repeats: int, calls: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(512, HIDDEN, generator=gen)
+    residual = torch.randn(512, HIDDEN, generator=gen)
+    w = torch.randn(HIDDEN, generator=gen)
+    gate_up = torch.randn(512, 2 * INTER, generator=gen)
+
+    def norm_peer() -> torch.Tensor:
+        residual.add_(x)
+        return F.rms_norm(residual, (HIDDEN,), w, 1e-6)
+
+    a, p, r = compare(lambda: cpu_kernels.add_rms_norm(x, residual, w, 1e-6), norm_peer,
+                      repeats, calls)
+    rows = [("add_rms_norm", "float32", "512 x 512", f"{a * 1e6:.0f} us",
+             f"add_ + F.rms_norm {p * 1e6:.0f} us", f"{r:.2f}x")]
+    a, p, r = compare(lambda: cpu_kernels.silu_and_mul(gate_up),
+                      lambda: F.silu(gate_up[:, :INTER]).mul_(gate_up[:, INTER:]), repeats, calls)
+    rows.append(("silu_and_mul", "float32", "512 x 2816", f"{a * 1e6:.0f} us",
+                 f"F.silu * up {p * 1e6:.0f} us", f"{r:.2f}x"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=40, help="calls per timed round")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available(torch.float32):
+        print("ArborLM's CPU kernels do not run here (they need x86-64 with AVX-512)")
+        return
+    rows = []
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            if cpu_kernels.available(dtype):
+                rows += gemv_rows(dtype, args.repeats, args.calls)
+            rows.append(attention_row(dtype, args.repeats, args.calls))
+        rows += elementwise_rows(args.repeats, args.calls)
+    print(f"threads {args.threads}; medians of {args.repeats} alternating rounds of "
+          f"{args.calls} calls; ratio = peer / ArborLM")
+    print(table(rows, ("kernel", "dtype", "shape", "ArborLM", "peer", "ratio")))
+
+
+if __name__ == "__main__":
+    main()
