@@ -4,10 +4,10 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
 
 - Extend attends request by request with `scaled_dot_product_attention`. A request with no
   cached prefix attends to its own new K/V straight from the projection (no read of the pool);
-  one on a prefix gathers its slots once per layer. Requests of one extend batch on the same
-  cached prefix (at least `CASCADE_MIN_PREFIX` shared slots) attend together instead (cascade
-  extend): the shared prefix once for all their new tokens, their own keys padded in one more
-  call, the parts merged by log-sum-exp.
+  one on a prefix gathers its slots once per layer. On a CPU, requests of one extend batch on
+  the same cached prefix (at least `CASCADE_MIN_PREFIX` shared slots) attend together instead
+  (cascade extend): the shared prefix once for all their new tokens, their own keys padded in
+  one more call, the parts merged by the log-sum-exps of ATen's CPU flash kernel.
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
   on a CPU with AVX-512, attention is then ArborLM's kernel (`cpu_kernels.decode_attention`):
@@ -103,8 +103,9 @@ class _ExtendGroup:
 class _ExtendMeta:
     slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots, None without a prefix
     masks: list[torch.Tensor | None]  # per request: [ext, seq_len] bool (True = attend) or None
-    groups: list[_ExtendGroup] = field(default_factory=list)  # cascade groups (members are
-    # then attended by `_extend_group`, not one by one)
+    starts: list[int]  # first row of each request's new tokens, and the total at the end
+    groups: list[_ExtendGroup] = field(default_factory=list)  # CPU cascade groups (members
+    # are then attended by `_extend_group`, not one by one)
 
 
 def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -171,9 +172,11 @@ class TorchNativeBackend(AttentionBackend):
         for ext in batch.extend_seq_lens_cpu:
             starts.append(starts[-1] + ext)
         prefixes, exts = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-        groups = [_extend_group_meta(members, shared, slots, starts, prefixes, table.device)
-                  for members, shared in _extend_groups(table, rows, prefixes, exts)]
-        return _ExtendMeta(slots=slots, masks=masks, groups=groups)
+        groups = []
+        if torch.device(batch.kv_pool.device).type == "cpu":  # the CPU flash kernel's lse
+            groups = [_extend_group_meta(members, shared, slots, starts, prefixes, table.device)
+                      for members, shared in _extend_groups(table, rows, prefixes, exts)]
+        return _ExtendMeta(slots=slots, masks=masks, starts=starts, groups=groups)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
@@ -192,9 +195,7 @@ class TorchNativeBackend(AttentionBackend):
         v_buf = batch.kv_pool.v_buffer[layer.layer_id]
         gqa = layer.num_heads != layer.num_kv_heads
         out = torch.empty_like(q)
-        starts = [0]
-        for ext in batch.extend_seq_lens_cpu:
-            starts.append(starts[-1] + ext)
+        starts = meta.starts
         grouped = set()
         for group in meta.groups:
             TorchNativeBackend._extend_group(q, k_buf, v_buf, layer, group, starts, out)
