@@ -80,4 +80,3 @@ class CompiledDecodeAttention:
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = (probs[..., None] * values).sum(dim=-2)  # [B, Hkv, G, D]
         return out.reshape(bsz, layer.num_heads * d)
-

@@ -1,5 +1,6 @@
 """ArborLM's own CPU kernels, C++ torch operators built on first use: `row_gemv` (one-row
-linears, batch-1 decode) and `decode_attention` (decode attention over each request's keys).
+linears, batch-1 decode), `decode_attention` (over each request's own keys; `_paged` reads the
+KV pool in place), and the fused float32 `add_rms_norm` and `silu_and_mul`.
 
 `row_gemv`: a batch-1 decode step reads every weight once to produce one row, so it runs at the
 memory bandwidth the linears reach. The library kernels fall short there: on a 2-core
@@ -22,9 +23,10 @@ layer: 143 us against 401 us for the matmuls; the whole decode step 20.0 -> 13.5
 
 The kernels are C++ torch operators (`torch.ops.arborlm.*`) in one extension, built on first use
 with torch's extension builder (a C++ compiler and ninja; ~20 s, cached on disk after) and traced
-by `torch.compile` as opaque calls. `available(dtype)` and `attention_available(dtype)` say
-whether they can run here: an x86 CPU with AVX-512 (and, for `row_gemv` in bfloat16,
-AVX512-BF16), and a build that succeeded; otherwise callers keep their library path.
+by `torch.compile` as opaque calls. `available(dtype)`, `attention_available(dtype)` and
+`elementwise_available(dtype)` say whether they can run here: an x86 CPU with AVX-512 (and, for
+`row_gemv` in bfloat16, AVX512-BF16), and a build that succeeded; otherwise callers keep their
+library path.
 `ARBORLM_CPU_KERNELS=0` turns them off (to compare).
 """
 
