@@ -17,6 +17,7 @@ nothing; `ARBORLM_HUGE_PAGES=0` skips it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -92,6 +93,15 @@ def move_gemv_weights(model: nn.Module) -> HugePageArena | None:
             param = aliased.get(old.data_ptr())
             if param is not None and param.shape == old.shape and param.is_contiguous():
                 param.data = m.plain  # a tied embedding (or anything else) shares the copy
+    _release_freed_memory()  # the weights' old copies (the allocator would keep them)
     logger.info("%d linear weights (%.0f MB) on transparent huge pages", len(layers),
                 total / 2**20)
     return arena
+
+
+def _release_freed_memory() -> None:
+    """Return the heap's free memory to the system once (`malloc_trim`; glibc only)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
