@@ -9,13 +9,14 @@ own kernel (`cpu_kernels.row_gemv`) or, where it cannot run, become streaming re
 (`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s).
 
 The graphs are compiled when the engine starts, with the KV length dynamic: one for batch size
-1 and, when `torch_compile_max_bs` > 1, one with the batch size dynamic (2 to it), so no step
-ever waits for a compile and no batch is padded. (The default is batch 1 alone: on a 2-core CPU
-the batched graph decodes slower than the eager path, whose packed linears and dense workspace
-suit batches.) Inductor caches compiled code on disk, so later engines start faster. Larger
-decode batches, extend steps and, without the CPU attention kernel, sequences longer than
-`COMPILED_MAX_SEQ_LEN` run eagerly (`ModelRunner` asks `can_run`); so do decode steps on
-devices other than CPU, where CUDA graphs serve instead.
+1 and, when `torch_compile_max_bs` > 1 (32 by default, as in SGLang), one with the batch size
+dynamic (2 to it), so no step ever waits for a compile and no batch is padded. Batched steps
+call the layers' packed oneDNN weights through an opaque op (`cpu_linear.packed_linear`).
+Inductor caches compiled code on disk, so later engines start faster. Larger decode batches,
+batches whose requests share a cached prefix (cascade attention is eager), extend steps and,
+without the CPU attention kernel, sequences longer than `COMPILED_MAX_SEQ_LEN` run eagerly
+(`ModelRunner` asks `can_run`); so do decode steps on devices other than CPU, where CUDA graphs
+serve instead.
 
 After the warm-up, steps skip Dynamo's guards: the code Dynamo generated for each graph (caught
 with a bytecode hook, as vLLM's compile wrapper does) is called directly, the graph picked by
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 from torch._dynamo.convert_frame import register_bytecode_hook
 
+from arborlm.runtime.attention import torch_native
 from arborlm.runtime.attention.compiled_decode import (
     CompiledDecodeAttention,
     CompiledDecodeMeta,
@@ -110,11 +112,14 @@ class CompiledDecodeRunner:
                             for bs, code in zip(sizes, captured)}
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode step of at most `max_bs` requests, whose logits are wanted for every row;
-        with the traced attention, none longer than `COMPILED_MAX_SEQ_LEN`."""
+        """A decode step of at most `max_bs` requests, whose logits are wanted for every row,
+        sharing no cached prefix; with the traced attention, none longer than
+        `COMPILED_MAX_SEQ_LEN`."""
         if not batch.mode.is_decode or batch.batch_size > self.max_bs:
             return False
         if not self.attention.kernel and max(batch.seq_lens_cpu) > COMPILED_MAX_SEQ_LEN:
+            return False
+        if batch.batch_size > 1 and _shares_a_prefix(batch):
             return False
         rows = batch.logits_indices
         return rows is None or rows.numel() == batch.batch_size
@@ -152,6 +157,18 @@ class CompiledDecodeRunner:
             req_pool_indices=zeros(), seq_lens=lens, out_cache_loc=zeros(),
             req_to_token_pool=r.req_to_token_pool, kv_pool=r.kv_pool,
             seq_lens_cpu=[WARMUP_SEQ_LEN] * bs)
+
+
+def _shares_a_prefix(batch: ForwardBatch) -> bool:
+    """Whether two requests of the batch hold the same KV slot at the position from which
+    `torch_native` would group them for cascade attention (a shared cached prefix: eager
+    decode reads it once for the group; a compiled step would read it once per request)."""
+    at = torch_native.CASCADE_MIN_PREFIX - 1
+    rows = [r for r, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu) if n > at + 1]
+    if len(rows) < 2:
+        return False
+    slots = batch.req_to_token_pool.req_to_token[rows, at].tolist()
+    return len(set(slots)) < len(slots)
 
 
 def create_compiled_decode_runner(runner: ModelRunner) -> CompiledDecodeRunner | None:

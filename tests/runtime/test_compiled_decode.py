@@ -19,6 +19,7 @@ import torch
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime import compiled_decode
+from arborlm.runtime.attention import torch_native
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.layers import cpu_kernels, cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
@@ -66,6 +67,16 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch, atte
     # The kernel reads the pool in place: no length limit; the traced gather: eager past it.
     assert (len(sizes) > steps) == (attention == "kernel")
     assert long["output_ids"] == hf_greedy(path, prompts[2], GREEDY["max_new_tokens"])
+    # Two requests on one cached prefix decode eagerly (cascade reads the prefix once).
+    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    shared = prompts[1][:12]
+    engine.generate(input_ids=shared, sampling_params=dict(GREEDY, max_new_tokens=1))
+    steps = len(sizes)
+    pair = [shared + [7, 8], shared + [9]]
+    outs = engine.generate(input_ids=pair, sampling_params=GREEDY)
+    assert 2 not in sizes[steps:]
+    for prompt, out in zip(pair, outs):
+        assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
     engine.check_integrity()
     engine.shutdown()
 
