@@ -50,13 +50,13 @@ def test_cascade_extend_matches_transformers(make_tiny_model, monkeypatch):
     extend on its cached prefix as one cascade group; greedy outputs equal transformers'."""
     path = str(make_tiny_model("llama"))
     sizes = []
-    extend_group = torch_native.TorchNativeBackend._extend_group
+    extend_group = torch_native.attend_extend_group
 
     def counting(*args):
         sizes.append(len(args[4].members))
         return extend_group(*args)
 
-    monkeypatch.setattr(torch_native.TorchNativeBackend, "_extend_group", staticmethod(counting))
+    monkeypatch.setattr(torch_native, "attend_extend_group", counting)
     shared = [(7 * i) % 400 + 10 for i in range(100)]  # > CASCADE_MIN_PREFIX tokens
     prompts = [shared + [20 + j, 30 + j, 40 + 2 * j][: 1 + j % 3] for j in range(5)]
     engine = Engine(path, dtype="float32", debug_integrity=True)

@@ -7,7 +7,8 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
   one on a prefix gathers its slots once per layer. On a CPU, requests of one extend batch on
   the same cached prefix (at least `CASCADE_MIN_PREFIX` shared slots) attend together instead
   (cascade extend): the shared prefix once for all their new tokens, their own keys padded in
-  one more call, the parts merged by the log-sum-exps of ATen's CPU flash kernel.
+  one more call, the parts merged by the log-sum-exps of ATen's CPU flash kernel
+  (`cascade.py`, which also finds the groups that cascade decode reads once).
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
   on a CPU with AVX-512, attention is then ArborLM's kernel (`cpu_kernels.decode_attention`):
@@ -36,6 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from arborlm.runtime.attention.base import AttentionBackend, AttentionLayerSpec
+from arborlm.runtime.attention.cascade import (
+    ExtendGroup,
+    attend_extend_group,
+    causal_mask,
+    extend_groups,
+    shared_runs,
+)
 from arborlm.runtime.attention.decode_workspace import DecodeWorkspace, Layout
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.layers import cpu_kernels
@@ -82,30 +90,12 @@ class _DecodeMeta:
 
 
 @dataclass
-class _ExtendGroup:
-    """Requests of an extend batch on the same cached prefix: it is read once for all of them.
-    The members' new tokens are laid out padded, `[M, E]` (E = the most new tokens of one)."""
-
-    slots: torch.Tensor  # [P] the shared prefix's KV slots
-    tokens: torch.Tensor  # [M * E] batch row of each padded position (padding: the last)
-    own_slots: torch.Tensor  # [M * L] KV slots after the shared prefix, new ones included
-    # (L = the most of one member; padding: slot 0)
-    own_mask: torch.Tensor  # [M, E, L] bool: True where a new token attends to an own key
-    # (padding rows repeat the member's last real row)
-    real: torch.Tensor  # [N] padded positions that are real tokens, in batch order
-    members: list[int]  # batch indices
-    max_new: int  # E
-    max_own: int  # L
-    float_masks: dict = field(default_factory=dict)  # dtype -> own_mask as 0 / -inf `[M,1,E,L]`
-
-
-@dataclass
 class _ExtendMeta:
     slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots, None without a prefix
     masks: list[torch.Tensor | None]  # per request: [ext, seq_len] bool (True = attend) or None
     starts: list[int]  # first row of each request's new tokens, and the total at the end
-    groups: list[_ExtendGroup] = field(default_factory=list)  # CPU cascade groups (members
-    # are then attended by `_extend_group`, not one by one)
+    groups: list[ExtendGroup] = field(default_factory=list)  # CPU cascade groups (members
+    # are then attended by `attend_extend_group`, not one by one)
 
 
 def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -167,15 +157,14 @@ class TorchNativeBackend(AttentionBackend):
                 continue
             seq = prefix + ext
             slots.append(table[row, :seq])
-            masks.append(_causal_mask(prefix, ext, 0, table.device))  # [ext, seq]
+            masks.append(causal_mask(prefix, ext, 0, table.device))  # [ext, seq]
         starts = [0]
         for ext in batch.extend_seq_lens_cpu:
             starts.append(starts[-1] + ext)
-        prefixes, exts = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
         groups = []
         if torch.device(batch.kv_pool.device).type == "cpu":  # the CPU flash kernel's lse
-            groups = [_extend_group_meta(members, shared, slots, starts, prefixes, table.device)
-                      for members, shared in _extend_groups(table, rows, prefixes, exts)]
+            groups = extend_groups(table, rows, slots, starts, batch.extend_prefix_lens_cpu,
+                                   CASCADE_MIN_PREFIX, CASCADE_EXTEND_MAX_NEW)
         return _ExtendMeta(slots=slots, masks=masks, starts=starts, groups=groups)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec,
@@ -198,7 +187,7 @@ class TorchNativeBackend(AttentionBackend):
         starts = meta.starts
         grouped = set()
         for group in meta.groups:
-            TorchNativeBackend._extend_group(q, k_buf, v_buf, layer, group, starts, out)
+            attend_extend_group(q, k_buf, v_buf, layer, group, out)
             grouped.update(group.members)
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             if i in grouped:
@@ -216,44 +205,6 @@ class TorchNativeBackend(AttentionBackend):
             )  # [1, H, ext, D]
             out[start:end] = oi[0].transpose(0, 1)
         return out
-
-    @staticmethod
-    def _extend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                      layer: AttentionLayerSpec, g: _ExtendGroup, starts: list[int],
-                      out: torch.Tensor) -> None:
-        """Cascade extend: all members' new queries attend to the shared prefix in one flash
-        attention call (the prefix's K/V read once, not once per member), and to their own
-        keys (the rest of each prefix and the new tokens, causally) in one more over the
-        members, padded; the two parts merge by their log-sum-exps, as one softmax over both
-        would. Writes the members' `out` rows."""
-        hkv, d, h = layer.num_kv_heads, layer.head_dim, layer.num_heads
-        group = h // hkv
-        m, e, width = len(g.members), g.max_new, g.max_own
-
-        def heads(x: torch.Tensor) -> torch.Tensor:  # [..., Hkv, D] -> [..., H, D]
-            return x.to(q.dtype) if group == 1 else x.to(q.dtype).repeat_interleave(group, -2)
-
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        qs = q.index_select(0, g.tokens)  # padded [M*E, H, D]
-        kp = heads(k_buf.index_select(0, g.slots)).transpose(0, 1)[None]  # [1, H, P, D]
-        vp = heads(v_buf.index_select(0, g.slots)).transpose(0, 1)[None]
-        real = qs.index_select(0, g.real).transpose(0, 1)[None]  # [1, H, N, D]
-        shared, shared_lse = flash(real, kp, vp, 0.0, False, scale=layer.scaling)
-        ko = heads(k_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
-        vo = heads(v_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
-        mask = g.float_masks.get(q.dtype)
-        if mask is None:  # built by the first layer, for all
-            mask = torch.zeros(g.own_mask.shape, dtype=q.dtype, device=q.device)
-            mask = g.float_masks[q.dtype] = mask.masked_fill_(~g.own_mask, float("-inf"))[:, None]
-        own, own_lse = flash(qs.view(m, e, h, d).transpose(1, 2), ko, vo, 0.0, False,
-                             attn_mask=mask, scale=layer.scaling)  # [M, H, E, D], [M, H, E]
-        own = own.transpose(1, 2).reshape(m * e, h, d).index_select(0, g.real).float()
-        own_lse = own_lse.transpose(1, 2).reshape(m * e, h).index_select(0, g.real)[..., None]
-        shared_lse = shared_lse[0].transpose(0, 1)[..., None]  # [N, H, 1]
-        joint = torch.logaddexp(shared_lse, own_lse)
-        res = shared[0].transpose(0, 1).float().mul_(shared_lse.sub_(joint).exp_())
-        res.add_(own.mul_(own_lse.sub_(joint).exp_()))
-        out.index_copy_(0, g.tokens.index_select(0, g.real), res.to(out.dtype))
 
     # --- decode -------------------------------------------------------------------------------
 
@@ -453,59 +404,6 @@ class TorchNativeBackend(AttentionBackend):
         return own.add_(pref.mul_(lse.sub_(joint).exp_())).to(qh.dtype)
 
 
-def _causal_mask(prefix: int, ext: int, first: int, device) -> torch.Tensor:
-    """`[ext, prefix + ext - first]` bool: new token t (position prefix + t) attends to the
-    positions first.. up to its own."""
-    q_pos = torch.arange(prefix, prefix + ext, device=device)[:, None]
-    return torch.arange(first, prefix + ext, device=device)[None, :] <= q_pos
-
-
-def _extend_group_meta(members: list[int], shared: int, slots: list[torch.Tensor | None],
-                       starts: list[int], prefixes: list[int], device) -> _ExtendGroup:
-    """The padded layout of one cascade extend group (see `_ExtendGroup`)."""
-    exts = [starts[i + 1] - starts[i] for i in members]
-    owns = [slots[i][shared:] for i in members]  # the rest of the prefix, then the new tokens
-    e, width = max(exts), max(len(o) for o in owns)
-    tokens, own_slots, real = [], [], []
-    mask = torch.zeros((len(members), e, width), dtype=torch.bool, device=device)
-    for j, (i, ext, own) in enumerate(zip(members, exts, owns)):
-        tokens.extend(starts[i] + min(t, ext - 1) for t in range(e))
-        real.extend(j * e + t for t in range(ext))
-        own_slots.append(torch.nn.functional.pad(own, (0, width - len(own))))
-        mask[j, :ext, :len(own)] = _causal_mask(prefixes[i], ext, shared, device)
-        mask[j, ext:] = mask[j, ext - 1]  # padding rows: as the last real one (never all -inf)
-    return _ExtendGroup(slots=slots[members[0]][:shared],
-                        tokens=torch.tensor(tokens, device=device),
-                        own_slots=torch.cat(own_slots), own_mask=mask,
-                        real=torch.tensor(real, device=device), members=members, max_new=e,
-                        max_own=width)
-
-
-def _extend_groups(table: torch.Tensor, rows: list[int], prefixes: list[int],
-                   exts: list[int]) -> list[tuple[list[int], int]]:
-    """Cascade groups of an extend batch, `(members, shared length)`: requests of at most
-    `CASCADE_EXTEND_MAX_NEW` new tokens whose cached prefixes hold the same slot at position
-    `CASCADE_MIN_PREFIX - 1` (the radix cache's same path) and agree on at least
-    `CASCADE_MIN_PREFIX` slots."""
-    eligible = [i for i, (p, e) in enumerate(zip(prefixes, exts))
-                if p >= CASCADE_MIN_PREFIX and e <= CASCADE_EXTEND_MAX_NEW]
-    if len(eligible) < 2:
-        return []
-    members: dict[int, list[int]] = {}
-    keys = table[[rows[i] for i in eligible], CASCADE_MIN_PREFIX - 1].tolist()
-    for i, key in zip(eligible, keys):
-        members.setdefault(key, []).append(i)
-    groups = []
-    for group in members.values():
-        if len(group) < 2:
-            continue
-        block = table[[rows[i] for i in group], :min(prefixes[i] for i in group)]
-        shared = int((block == block[:1]).all(dim=0).cumprod(dim=0).sum())
-        if shared >= CASCADE_MIN_PREFIX:
-            groups.append((group, shared))
-    return groups
-
-
 def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:
     """Group-major rows `[Hkv, NG*M, ...]` -> per-request rows `[Hkv, B, ...]` (`place[i]`
     is request i's row; `NG*M`, one past the last, gives a row of `fill`)."""
@@ -522,18 +420,9 @@ def _find_groups(slots: torch.Tensor, lens: list[int]) -> Layout:
     eligible = [i for i, n in enumerate(lens) if n > CASCADE_MIN_PREFIX]
     if len(eligible) < 2:
         return layout
-    members: dict[int, list[int]] = {}
-    for i, key in zip(eligible, slots[eligible, CASCADE_MIN_PREFIX - 1].tolist()):
-        members.setdefault(key, []).append(i)
     saved = 0
-    for group in members.values():
-        if len(group) < 2:
-            continue
-        rows = slots[group]  # [m, L]
-        shared = int((rows == rows[:1]).all(dim=0).cumprod(dim=0).sum())
-        shared = min(shared, min(lens[i] for i in group) - 1)
-        if shared < CASCADE_MIN_PREFIX:
-            continue
+    caps = [n - 1 for n in lens]  # a request's newest key is its own
+    for group, shared in shared_runs(slots, eligible, caps, CASCADE_MIN_PREFIX):
         for i in group:
             layout.offsets[i], layout.groups[i] = shared, layout.num_groups
         layout.num_groups += 1

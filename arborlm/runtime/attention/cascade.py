@@ -1,0 +1,141 @@
+"""Requests on one cached prefix: finding them in a batch, and attending extends together.
+
+The radix cache hands requests that share a prompt prefix (a system prompt, few-shot examples,
+a fork's parent) the same KV slots for it, so a batch's shared prefixes show in its slot
+tables. `shared_runs` finds them; `torch_native` decodes such groups with cascade attention
+(each prefix read once per step) and, on a CPU, extends them together (`extend_groups`,
+`attend_extend_group`): all members' new tokens attend to the shared prefix in one flash
+attention call and to their own keys in one more, padded, the two parts merged by their
+log-sum-exps (ATen's CPU flash kernel returns them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from arborlm.runtime.attention.base import AttentionLayerSpec
+
+
+def shared_runs(slots: torch.Tensor, candidates: list[int], caps: list[int],
+                min_prefix: int) -> list[tuple[list[int], int]]:
+    """Groups among `candidates` (rows of `slots` `[B, L]`) that hold the same slot at position
+    `min_prefix - 1`, i.e. share the radix-cache path up to it: `(members, shared)` for each
+    group of two or more whose common run of slots, capped at its members' smallest `caps`
+    (indexed like the rows), reaches `min_prefix`."""
+    members: dict[int, list[int]] = {}
+    for i, key in zip(candidates, slots[candidates, min_prefix - 1].tolist()):
+        members.setdefault(key, []).append(i)
+    runs = []
+    for group in members.values():
+        if len(group) < 2:
+            continue
+        rows = slots[group]  # [m, L]
+        shared = int((rows == rows[:1]).all(dim=0).cumprod(dim=0).sum())
+        shared = min(shared, min(caps[i] for i in group))
+        if shared >= min_prefix:
+            runs.append((group, shared))
+    return runs
+
+
+def causal_mask(prefix: int, ext: int, first: int, device) -> torch.Tensor:
+    """`[ext, prefix + ext - first]` bool: new token t (position prefix + t) attends to the
+    positions first.. up to its own."""
+    q_pos = torch.arange(prefix, prefix + ext, device=device)[:, None]
+    return torch.arange(first, prefix + ext, device=device)[None, :] <= q_pos
+
+
+@dataclass
+class ExtendGroup:
+    """Requests of an extend batch on the same cached prefix: it is read once for all of them.
+    The members' new tokens are laid out padded, `[M, E]` (E = the most new tokens of one)."""
+
+    slots: torch.Tensor  # [P] the shared prefix's KV slots
+    tokens: torch.Tensor  # [M * E] batch row of each padded position (padding: the last)
+    own_slots: torch.Tensor  # [M * L] KV slots after the shared prefix, new ones included
+    # (L = the most of one member; padding: slot 0)
+    own_mask: torch.Tensor  # [M, E, L] bool: True where a new token attends to an own key
+    # (padding rows repeat the member's last real row)
+    real: torch.Tensor  # [N] padded positions that are real tokens, in batch order
+    members: list[int]  # batch indices
+    max_new: int  # E
+    max_own: int  # L
+    float_masks: dict = field(default_factory=dict)  # dtype -> own_mask as 0 / -inf `[M,1,E,L]`
+
+
+def extend_groups(table: torch.Tensor, rows: list[int], slots: list[torch.Tensor | None],
+                  starts: list[int], prefixes: list[int], min_prefix: int,
+                  max_new: int) -> list[ExtendGroup]:
+    """The cascade groups of an extend batch: requests of at most `max_new` new tokens on at
+    least `min_prefix` shared cached slots. `rows` are their `req_to_token` rows, `slots`
+    each one's slots up to its last new token, `starts` the first row of each one's new
+    tokens (and the total)."""
+    exts = [b - a for a, b in zip(starts, starts[1:])]
+    eligible = [i for i, (p, e) in enumerate(zip(prefixes, exts))
+                if p >= min_prefix and e <= max_new]
+    if len(eligible) < 2:
+        return []
+    table_rows = table[rows, :max(prefixes[i] for i in eligible)]  # [B, P]
+    runs = shared_runs(table_rows, eligible, prefixes, min_prefix)
+    return [_layout(members, shared, slots, starts, prefixes, table.device)
+            for members, shared in runs]
+
+
+def _layout(members: list[int], shared: int, slots: list[torch.Tensor | None],
+            starts: list[int], prefixes: list[int], device) -> ExtendGroup:
+    """The padded layout of one cascade extend group (see `ExtendGroup`)."""
+    exts = [starts[i + 1] - starts[i] for i in members]
+    owns = [slots[i][shared:] for i in members]  # the rest of the prefix, then the new tokens
+    e, width = max(exts), max(len(o) for o in owns)
+    tokens, own_slots, real = [], [], []
+    mask = torch.zeros((len(members), e, width), dtype=torch.bool, device=device)
+    for j, (i, ext, own) in enumerate(zip(members, exts, owns)):
+        tokens.extend(starts[i] + min(t, ext - 1) for t in range(e))
+        real.extend(j * e + t for t in range(ext))
+        own_slots.append(F.pad(own, (0, width - len(own))))
+        mask[j, :ext, :len(own)] = causal_mask(prefixes[i], ext, shared, device)
+        mask[j, ext:] = mask[j, ext - 1]  # padding rows: as the last real one (never all -inf)
+    return ExtendGroup(slots=slots[members[0]][:shared],
+                       tokens=torch.tensor(tokens, device=device),
+                       own_slots=torch.cat(own_slots), own_mask=mask,
+                       real=torch.tensor(real, device=device), members=members, max_new=e,
+                       max_own=width)
+
+
+def attend_extend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                        layer: AttentionLayerSpec, g: ExtendGroup, out: torch.Tensor) -> None:
+    """All members' new queries (rows of q `[T, H, D]`) attend to the shared prefix in one
+    flash attention call (the prefix's K/V read once, not once per member), and to their own
+    keys (the rest of each prefix and the new tokens, causally) in one more over the members,
+    padded; the two parts merge by their log-sum-exps, as one softmax over both would. Writes
+    the members' `out` rows. CPU only (ATen's CPU flash kernel gives the log-sum-exps)."""
+    hkv, d, h = layer.num_kv_heads, layer.head_dim, layer.num_heads
+    group = h // hkv
+    m, e, width = len(g.members), g.max_new, g.max_own
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [..., Hkv, D] -> [..., H, D]
+        return x.to(q.dtype) if group == 1 else x.to(q.dtype).repeat_interleave(group, -2)
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qs = q.index_select(0, g.tokens)  # padded [M*E, H, D]
+    kp = heads(k_buf.index_select(0, g.slots)).transpose(0, 1)[None]  # [1, H, P, D]
+    vp = heads(v_buf.index_select(0, g.slots)).transpose(0, 1)[None]
+    real = qs.index_select(0, g.real).transpose(0, 1)[None]  # [1, H, N, D]
+    shared, shared_lse = flash(real, kp, vp, 0.0, False, scale=layer.scaling)
+    ko = heads(k_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
+    vo = heads(v_buf.index_select(0, g.own_slots)).view(m, width, h, d).transpose(1, 2)
+    mask = g.float_masks.get(q.dtype)
+    if mask is None:  # built by the first layer, for all
+        mask = torch.zeros(g.own_mask.shape, dtype=q.dtype, device=q.device)
+        mask = g.float_masks[q.dtype] = mask.masked_fill_(~g.own_mask, float("-inf"))[:, None]
+    own, own_lse = flash(qs.view(m, e, h, d).transpose(1, 2), ko, vo, 0.0, False,
+                         attn_mask=mask, scale=layer.scaling)  # [M, H, E, D], [M, H, E]
+    own = own.transpose(1, 2).reshape(m * e, h, d).index_select(0, g.real).float()
+    own_lse = own_lse.transpose(1, 2).reshape(m * e, h).index_select(0, g.real)[..., None]
+    shared_lse = shared_lse[0].transpose(0, 1)[..., None]  # [N, H, 1]
+    joint = torch.logaddexp(shared_lse, own_lse)
+    res = shared[0].transpose(0, 1).float().mul_(shared_lse.sub_(joint).exp_())
+    res.add_(own.mul_(own_lse.sub_(joint).exp_()))
+    out.index_copy_(0, g.tokens.index_select(0, g.real), res.to(out.dtype))
