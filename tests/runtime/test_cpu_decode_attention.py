@@ -70,18 +70,14 @@ def _check(out, lse, q, k, v, lens, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_float64(dtype, threads):
+def test_matches_float64(dtype, threads, torch_threads):
     gen = torch.Generator().manual_seed(0)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for shape in SHAPES:
-            q, k, v, lens = _case(shape, dtype, gen)
-            scale = shape[3] ** -0.5
-            out, lse = cpu_kernels.decode_attention(q, k, v, lens, scale)
-            _check(out, lse, q, k, v, lens, scale)
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(threads)
+    for shape in SHAPES:
+        q, k, v, lens = _case(shape, dtype, gen)
+        scale = shape[3] ** -0.5
+        out, lse = cpu_kernels.decode_attention(q, k, v, lens, scale)
+        _check(out, lse, q, k, v, lens, scale)
 
 
 def test_rows_without_keys_give_zero_and_minus_infinity():

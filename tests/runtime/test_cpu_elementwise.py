@@ -25,46 +25,38 @@ def kernels_or_skip():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_add_rms_norm_matches_float64(threads):
+def test_add_rms_norm_matches_float64(threads, torch_threads):
     gen = torch.Generator().manual_seed(0)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n in WIDTHS:
-            for rows in (1, 7, 300):
-                wide = torch.randn(rows, n + 3, generator=gen)
-                x = wide[:, 1:n + 1]  # strided rows
-                residual = torch.randn(rows, n, generator=gen)
-                w = torch.randn(n, generator=gen)
-                total = residual.double() + x.double()
-                ref = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-                before = residual.clone()
-                out = cpu_kernels.add_rms_norm(x, residual, w, 1e-6)
-                assert torch.allclose(residual, before + x, rtol=0, atol=0)  # in place, exact
-                assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
-                alone = cpu_kernels.add_rms_norm(x, None, w, 1e-6)
-                plain = F.rms_norm(x.contiguous(), (n,), w, 1e-6)
-                assert torch.allclose(alone, plain, rtol=1e-5, atol=1e-6)
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(threads)
+    for n in WIDTHS:
+        for rows in (1, 7, 300):
+            wide = torch.randn(rows, n + 3, generator=gen)
+            x = wide[:, 1:n + 1]  # strided rows
+            residual = torch.randn(rows, n, generator=gen)
+            w = torch.randn(n, generator=gen)
+            total = residual.double() + x.double()
+            ref = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+            before = residual.clone()
+            out = cpu_kernels.add_rms_norm(x, residual, w, 1e-6)
+            assert torch.allclose(residual, before + x, rtol=0, atol=0)  # in place, exact
+            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+            alone = cpu_kernels.add_rms_norm(x, None, w, 1e-6)
+            plain = F.rms_norm(x.contiguous(), (n,), w, 1e-6)
+            assert torch.allclose(alone, plain, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_silu_and_mul_matches_float64(threads):
+def test_silu_and_mul_matches_float64(threads, torch_threads):
     gen = torch.Generator().manual_seed(1)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n in WIDTHS:
-            for rows in (1, 5, 200):
-                gate_up = torch.randn(rows, 2 * n, generator=gen) * 6  # saturating both ways
-                g, u = gate_up.double()[:, :n], gate_up.double()[:, n:]
-                ref = g / (1 + torch.exp(-g)) * u
-                out = cpu_kernels.silu_and_mul(gate_up)
-                assert out.shape == (rows, n)
-                assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(threads)
+    for n in WIDTHS:
+        for rows in (1, 5, 200):
+            gate_up = torch.randn(rows, 2 * n, generator=gen) * 6  # saturating both ways
+            g, u = gate_up.double()[:, :n], gate_up.double()[:, n:]
+            ref = g / (1 + torch.exp(-g)) * u
+            out = cpu_kernels.silu_and_mul(gate_up)
+            assert out.shape == (rows, n)
+            assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
 
 
 def test_the_layers_route_float32_rows_to_the_kernels(monkeypatch):

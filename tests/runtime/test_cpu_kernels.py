@@ -40,20 +40,16 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_float64(dtype, threads):
+def test_matches_float64(dtype, threads, torch_threads):
     _skip_unless_available(dtype)
     gen = torch.Generator().manual_seed(0)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for out, inp in SHAPES:
-            w = torch.randn(out, inp, generator=gen).to(dtype)
-            x = torch.randn(1, inp, generator=gen).to(dtype)
-            b = torch.randn(out, generator=gen).to(dtype)
-            _check(cpu_kernels.row_gemv(x, w), x, w, None)
-            _check(cpu_kernels.row_gemv(x, w, b), x, w, b)
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(threads)
+    for out, inp in SHAPES:
+        w = torch.randn(out, inp, generator=gen).to(dtype)
+        x = torch.randn(1, inp, generator=gen).to(dtype)
+        b = torch.randn(out, generator=gen).to(dtype)
+        _check(cpu_kernels.row_gemv(x, w), x, w, None)
+        _check(cpu_kernels.row_gemv(x, w, b), x, w, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
