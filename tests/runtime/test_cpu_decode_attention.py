@@ -1,8 +1,8 @@
 """`arborlm::decode_attention`, ArborLM's CPU decode-attention kernel, against float64 attention
 computed from the definition.
 
-Head shapes cover the specialized ones (G query heads per KV head in 1/2/4/8, head dim 64/128)
-and the general path (G = 3, head dim 16/32/80); key counts cover the 16-wide tails of the
+Head shapes cover the specialized ones (G query heads per KV head from 1 to 8, head dim 64/128)
+and the general path (G = 3 at head dim 32, G = 12, head dims 16 and 80); key counts cover the 16-wide tails of the
 softmax, a single key, no key (zero output, -inf log-sum-exp) and rows that use all W keys;
 keys are strided views of a larger buffer, as the decode workspace hands them out; one and two
 threads; a traced call inside `torch.compile`; and the errors on bad arguments. float32 must
@@ -22,7 +22,9 @@ from arborlm.runtime.layers import cpu_kernels
 DTYPES = [torch.float32, torch.bfloat16]
 # (KV heads, requests, query heads per KV head, head dim, keys W)
 SHAPES = [(4, 3, 2, 64, 37), (2, 5, 4, 128, 100), (1, 1, 1, 64, 1), (2, 2, 8, 64, 16),
-          (3, 4, 3, 32, 50), (1, 2, 2, 16, 33), (2, 3, 1, 80, 20), (1, 6, 2, 128, 300)]
+          (3, 4, 3, 32, 50), (1, 2, 2, 16, 33), (2, 3, 1, 80, 20), (1, 6, 2, 128, 300),
+          (4, 3, 3, 64, 45), (1, 2, 6, 128, 70), (2, 2, 5, 64, 19), (1, 3, 7, 64, 25),
+          (1, 2, 12, 64, 40)]
 
 
 @pytest.fixture(autouse=True)

@@ -57,6 +57,19 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) 
 inline void store_one(float* p, float x) { *p = x; }
 inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // nearest even
 
+// Keys ahead of the one in use whose rows are prefetched. A request's keys lie one slot row
+// apart at best and, decoded together with others, a batch's width apart (32 KiB for 32
+// requests of the 125M model): the hardware prefetchers do not follow such strides, and each key
+// would otherwise cost a full memory latency.
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 // One row: q [G, D] against keys/values [len, D] -> out [G, D], lse [G]. Key j is at
 // `k + j * stride`, or with a slot table at `k + slots[j] * stride` (the paged pool).
 // `scores` holds G * len floats. GROUP and CHUNKS (D / 16) are compile-time constants for the
@@ -76,6 +89,8 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
     for (int64_t g = 0; g < group; ++g) lse[g] = -std::numeric_limits<float>::infinity();
     return;
   }
+  for (int64_t j = 0; j < kPrefetchAhead && j < len; ++j)
+    prefetch_row(k + (slots ? slots[j] : j) * stride, dim);
   __m512 qv[GROUP && CHUNKS ? GROUP * CHUNKS : kMaxGroup * (kMaxHeadDim / 16)];
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = load16(q + g * dim + c * 16);
@@ -83,6 +98,8 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
   // Scores: each key row read once for all G queries.
   for (int64_t j = 0; j < len; ++j) {
     const T* kr = k + (slots ? slots[j] : j) * stride;
+    if (j + kPrefetchAhead < len)
+      prefetch_row(k + (slots ? slots[j + kPrefetchAhead] : j + kPrefetchAhead) * stride, dim);
     __m512 acc[GROUP ? GROUP : kMaxGroup];
     for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
@@ -122,8 +139,12 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
   // Weighted values: each value row read once for all G queries.
   __m512* o = qv;  // the queries are no longer needed
   for (int64_t i = 0; i < group * chunks; ++i) o[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kPrefetchAhead && j < len; ++j)
+    prefetch_row(v + (slots ? slots[j] : j) * stride, dim);
   for (int64_t j = 0; j < len; ++j) {
     const T* vr = v + (slots ? slots[j] : j) * stride;
+    if (j + kPrefetchAhead < len)
+      prefetch_row(v + (slots ? slots[j + kPrefetchAhead] : j + kPrefetchAhead) * stride, dim);
     __m512 w[GROUP ? GROUP : kMaxGroup];
     for (int64_t g = 0; g < group; ++g) w[g] = _mm512_set1_ps(scores[g * len + j]);
     for (int64_t c = 0; c < chunks; ++c) {
@@ -159,8 +180,10 @@ template <typename T>
 RowFn pick_row(int64_t group, int64_t dim) {
 #define ARBORLM_ROW(G, D) \
   if (group == G && dim == D) return &row_entry<T, G, D / 16>;
-  ARBORLM_ROW(1, 64) ARBORLM_ROW(2, 64) ARBORLM_ROW(4, 64) ARBORLM_ROW(8, 64)
-  ARBORLM_ROW(1, 128) ARBORLM_ROW(2, 128) ARBORLM_ROW(4, 128) ARBORLM_ROW(8, 128)
+  ARBORLM_ROW(1, 64) ARBORLM_ROW(2, 64) ARBORLM_ROW(3, 64) ARBORLM_ROW(4, 64)
+  ARBORLM_ROW(5, 64) ARBORLM_ROW(6, 64) ARBORLM_ROW(7, 64) ARBORLM_ROW(8, 64)
+  ARBORLM_ROW(1, 128) ARBORLM_ROW(2, 128) ARBORLM_ROW(3, 128) ARBORLM_ROW(4, 128)
+  ARBORLM_ROW(5, 128) ARBORLM_ROW(6, 128) ARBORLM_ROW(7, 128) ARBORLM_ROW(8, 128)
 #undef ARBORLM_ROW
   return &row_entry<T, 0, 0>;
 }
