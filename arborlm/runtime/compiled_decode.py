@@ -11,7 +11,7 @@ own kernel (`cpu_kernels.row_gemv`) or, where it cannot run, become streaming re
 The graphs are compiled when the engine starts, with the KV length dynamic: one for batch size
 1 and, when `torch_compile_max_bs` > 1 (32 by default, as in SGLang), one with the batch size
 dynamic (2 to it), so no step ever waits for a compile and no batch is padded. Batched steps
-call the layers' packed oneDNN weights through an opaque op (`cpu_linear.packed_linear`).
+call the layers' packed oneDNN weights through an opaque op (`cpu_kernels.packed_linear`).
 Inductor caches compiled code on disk, so later engines start faster. Larger decode batches,
 batches whose requests share a cached prefix (cascade attention is eager), extend steps and,
 without the CPU attention kernel, sequences longer than `COMPILED_MAX_SEQ_LEN` run eagerly

@@ -2,7 +2,8 @@
 float64 references and against the ATen forms they replace (`RMSNorm`, `silu_and_mul`).
 
 Widths cover the 16-wide tails, rows are strided views (a fused projection's column slice),
-one and two threads, the residual updated in place, and the errors on bad arguments.
+one and two threads, the residual updated in place, and the errors on bad arguments. Greedy
+sampling's `arborlm::argmax_rows` must equal `torch.argmax` exactly (ties, NaNs, infinities).
 """
 
 from __future__ import annotations
@@ -96,3 +97,38 @@ def test_bad_arguments_name_the_problem():
         cpu_kernels.silu_and_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.silu_and_mul(torch.randn(2, 8).double())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_is_torch_argmax(threads, torch_threads):
+    """The first maximum of each row, ties and NaNs (the first NaN wins) included, as
+    `torch.argmax`; strided rows; the sampler's greedy path uses it."""
+    from arborlm.runtime.sampling.sampler import argmax
+
+    gen = torch.Generator().manual_seed(3)
+    torch_threads(threads)
+    for n in WIDTHS + [8192, 32000]:
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, n + 2, generator=gen)[:, 1:n + 1]
+            assert torch.equal(cpu_kernels.argmax_rows(x), torch.argmax(x, dim=-1))
+            x[:, n // 2] = x.max() + 1
+            x[:, n - 1] = x.max()  # a tie: the first of the two
+            assert torch.equal(cpu_kernels.argmax_rows(x), torch.argmax(x, dim=-1))
+            assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
+    x = torch.randn(5, 100, generator=gen)
+    x[1, 70], x[1, 30] = float("nan"), float("nan")
+    x[2] = float("-inf")
+    x[3, 99] = float("inf")
+    x[4, 10] = float("nan")
+    x[4, 11] = float("inf")
+    assert cpu_kernels.argmax_rows(x).tolist() == torch.argmax(x, dim=-1).tolist() \
+        == [torch.argmax(x[0]).item(), 30, 0, 99, 10]
+
+
+def test_argmax_rows_bad_arguments():
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.argmax_rows(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match=r"\[B, V\]"):
+        cpu_kernels.argmax_rows(torch.randn(8))
+    with pytest.raises(RuntimeError, match=r"\[B, V\]"):
+        cpu_kernels.argmax_rows(torch.randn(2, 0))

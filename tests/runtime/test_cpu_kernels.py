@@ -116,3 +116,38 @@ def test_packed_linear_routes_one_row_to_the_kernel(dtype, monkeypatch):
     assert not plain.gemv
     plain(x[:1])
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("python_op", [False, True], ids=["cpp", "python"])
+def test_traced_batches_call_the_packed_weight(dtype, python_op, monkeypatch):
+    """A compiled call of a `PackedLinear` on 5 rows runs its packed weight through ArborLM's
+    C++ operator (or, where the operators are not built, the Python one) and equals the eager
+    oneDNN product bit for bit; the C++ registry lets go of a layer when it is collected, and an
+    unknown number is a clear error."""
+    if not cpu_linear.packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    if not python_op and not cpu_kernels.packed_linear_available():
+        pytest.skip("ArborLM's CPU operators are not built here")
+    if python_op:
+        monkeypatch.setattr(cpu_kernels, "packed_linear_available", lambda: False)
+    linear = torch.nn.Linear(256, 384, bias=True).to(dtype)
+    packed = cpu_linear.PackedLinear(linear)
+    assert packed.native == (not python_op)
+    x = torch.randn(5, 256).to(dtype)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: packed(x) * 2, fullgraph=True, backend="inductor")
+    with torch.inference_mode():
+        got, want = compiled(x), packed(x) * 2
+    assert torch.equal(got, want)
+    code = torch._inductor.codecache.PyCodeCache.modules  # the graphs' generated code
+    called = "arborlm.packed_linear_py." if python_op else "arborlm.packed_linear."
+    assert any(called in open(m.__file__).read() for m in code if m.__file__), called
+    if not python_op:
+        handle = packed.handle
+        del packed, compiled
+        torch._dynamo.reset()
+        import gc
+        gc.collect()
+        with pytest.raises(RuntimeError, match=f"no packed layer number {handle}"):
+            cpu_kernels.packed_linear(x, handle)

@@ -24,9 +24,10 @@ A oneDNN call costs ~10 µs more than MKL's for a tiny matrix, so weights below
 Inside `torch.compile` (the compiled decode step) the opaque packed copy cannot be traced, so a
 traced call uses the plain copy: one row as `row_linear`, an elementwise product and a row sum
 that Inductor turns into one streaming C++ kernel (float32 25 vs 16 GB/s for MKL's GEMV on one
-thread of the machine above, bfloat16 21 vs 9), more rows through `packed_linear`, an opaque
-custom op that looks the layer up by number and calls its packed weight (float32 32 rows: 206
-against MKL's 132 GFLOP/s on the plain copy). The kernel needs the
+thread of the machine above, bfloat16 21 vs 9), more rows through `cpu_kernels.packed_linear`, an
+opaque C++ operator that looks the layer up by number and calls its packed weight (float32 32
+rows: 206 against MKL's 132 GFLOP/s on the plain copy; `packed_linear_py`, the same in Python,
+where the operators are not built). The kernel needs the
 weight row-major as `[out, in]`, so `pack_linears(transpose_fp32=False)` keeps float32 plain
 copies untransposed (the engine does so with `enable_torch_compile`), and `use_row_linears`
 gives the unpacked small layers the same traced form (`RowLinear`).
@@ -73,7 +74,16 @@ class PackedLinear(nn.Module):
         self.plain = weight.t().contiguous() if self.transposed else weight  # [in, out] | [out, in]
         self.bias = linear.bias
         self.handle = next(_handles)  # how a traced graph names it (`packed_linear`)
-        _PACKED[self.handle] = self
+        # A traced call reaches the packed weight through ArborLM's C++ operator, where it is
+        # built, else through the same call written in Python (~15 us more per call).
+        self.native = cpu_kernels.packed_linear_available()
+        if self.native:
+            cpu_kernels.register_packed_linear(self.handle, self.packed, self.bias,
+                                               self.out_features)
+            forget = weakref.finalize(self, cpu_kernels.forget_packed_linear, self.handle)
+            forget.atexit = False  # at exit the process lets go of everything anyway
+        else:
+            _PACKED[self.handle] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
@@ -83,7 +93,9 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
             if rows == 1 and not self.transposed:
                 return row_linear(x, self.plain, self.bias)
-            return packed_linear(x, self.handle)  # an opaque call with the packed weight
+            if self.native:  # an opaque call with the packed weight
+                return cpu_kernels.packed_linear(x, self.handle)
+            return packed_linear_py(x, self.handle)
         single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
         if single_gemv:
             return self._plain(x)
@@ -105,15 +117,16 @@ _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDicti
 _handles = itertools.count()
 
 
-@torch.library.custom_op("arborlm::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+@torch.library.custom_op("arborlm::packed_linear_py", mutates_args=())
+def packed_linear_py(x: torch.Tensor, handle: int) -> torch.Tensor:
     """`PackedLinear` number `handle` on x `[T, in]`, through its packed oneDNN weight: how a
-    compiled graph (which cannot hold the opaque packed tensor) calls it for batches."""
+    compiled graph (which cannot hold the opaque packed tensor) calls it for batches where
+    ArborLM's C++ operators are not built (`cpu_kernels.packed_linear` otherwise)."""
     layer = _PACKED[handle]
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
-@packed_linear.register_fake
+@packed_linear_py.register_fake
 def _packed_linear_shape(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], _PACKED[handle].out_features))
 

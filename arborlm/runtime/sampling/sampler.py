@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arborlm.runtime.layers import cpu_kernels
 from arborlm.runtime.sampling.sampling_batch import SamplingBatch
 
 
@@ -48,15 +49,24 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     """`logits` [B, V] float32, already processed (see `process_logits`) and masked."""
     logprobs = torch.log_softmax(logits, dim=-1) if sb.want_logprobs else None
-    greedy_ids = torch.argmax(logits, dim=-1)
+    greedy_ids = argmax(logits)
     if sb.all_greedy:
         return SampleOutput(greedy_ids, logprobs)
     probs = torch.softmax(logits / sb.temperatures[:, None], dim=-1)
     probs = _truncate(probs, sb)
     noise = torch.stack([_exponential(seed, probs.shape[1]) for seed in sb.seeds])  # [B, V]
     noise = noise.to(probs.device)
-    sampled = torch.argmax(probs / noise, dim=-1)
+    sampled = argmax(probs / noise)
     return SampleOutput(torch.where(sb.greedy, greedy_ids, sampled), logprobs)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax `[B]` of x `[B, V]` (the first where the maximum repeats): ArborLM's
+    vectorized CPU kernel on float32 where it runs, else `torch.argmax`."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 \
+            and x.shape[-1] > 0 and cpu_kernels.elementwise_available(torch.float32):
+        return cpu_kernels.argmax_rows(x)
+    return torch.argmax(x, dim=-1)
 
 
 def _truncate(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
