@@ -5,7 +5,8 @@ Three objects, each with one job:
 - `ReqToTokenPool`: one row per live request; `req_to_token[row, pos]` is the KV slot that
   holds the request's token at position `pos`.
 - `KVPool`: per layer, K and V buffers `[num_slots, num_kv_heads, head_dim]` indexed by slot
-  (on a CPU, in one mapping on transparent huge pages). Slot 0 is never handed out: padded positions point at it, so gathers never go out of range.
+  (on a CPU, in one mapping on transparent huge pages). Slot 0 is never handed out: padded
+  positions point at it, so gathers never go out of range.
 - `PagedAllocator`: hands out slots a page at a time from a free list. A request's positions
   `[k*P, (k+1)*P)` live in one page, at offsets `pos % P`; with page size 1 it is a plain slot
   allocator. It knows nothing about requests or the prefix cache.
@@ -45,6 +46,12 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start:start + len(slots)] = slots
+
+    def write_one_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """`req_to_token[rows[i], positions[i]] = slots[i]` for every i (a decode step's)."""
+        device = self.req_to_token.device
+        index = torch.tensor([rows, positions], dtype=torch.int64, device=device)
+        self.req_to_token[index[0], index[1]] = slots.to(device)
 
     def clear(self) -> None:
         self._free = list(range(self.size - 1, -1, -1))
@@ -136,6 +143,12 @@ class PagedAllocator:
         """New pages to hold positions `[start, end)` when `[0, start)` is already held."""
         p = self.page_size
         return -(-end // p) - -(-start // p)
+
+    def alloc_slots(self, n: int) -> torch.Tensor:
+        """`n` slots, one page each (page size 1 only). Raises `OutOfMemoryError` if they run
+        out."""
+        assert self.page_size == 1, "alloc_slots hands out single-slot pages"
+        return torch.tensor(self._take_pages(n), dtype=torch.int64)
 
     def alloc_range(self, start: int, end: int, last_slot: int) -> torch.Tensor:
         """Slots for positions `[start, end)` of one request.

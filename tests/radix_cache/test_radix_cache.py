@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from arborlm.errors import OutOfMemoryError
 from arborlm.radix_cache import (
     NoOpCache,
     PrefixCache,
@@ -353,3 +354,21 @@ def test_import_stays_light():
             "or m.startswith('arborlm.runtime')]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_decode_steps_slots_come_and_are_written_at_once():
+    """`alloc_slots(n)` hands out the slots n single allocations would, and `write_one_each`
+    writes one position of each row, as per-request `write`s would."""
+    one, many = PagedAllocator(50, 1), PagedAllocator(50, 1)
+    singles = torch.cat([one.alloc_range(0, 1, 0) for _ in range(5)])
+    assert torch.equal(many.alloc_slots(5), singles)
+    assert one.available_size() == many.available_size() == 50 - 1 - 5
+    pool, expected = ReqToTokenPool(4, 10), ReqToTokenPool(4, 10)
+    rows, positions = [3, 0, 2], [7, 0, 4]
+    slots = torch.tensor([11, 12, 13])
+    pool.write_one_each(rows, positions, slots)
+    for r, p, s in zip(rows, positions, slots):
+        expected.write(r, p, s[None])
+    assert torch.equal(pool.req_to_token, expected.req_to_token)
+    with pytest.raises(OutOfMemoryError):
+        many.alloc_slots(100)

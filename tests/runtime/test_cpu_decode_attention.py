@@ -1,15 +1,15 @@
 """`arborlm::decode_attention`, ArborLM's CPU decode-attention kernel, against float64 attention
 computed from the definition.
 
-Head shapes cover the specialized ones (G query heads per KV head from 1 to 8, head dim 64/128)
-and the general path (G = 3 at head dim 32, G = 12, head dims 16 and 80); key counts cover the 16-wide tails of the
-softmax, a single key, no key (zero output, -inf log-sum-exp) and rows that use all W keys;
-keys are strided views of a larger buffer, as the decode workspace hands them out; one and two
-threads; a traced call inside `torch.compile`; and the errors on bad arguments. float32 must
-agree with float64 to float32 rounding; bfloat16 (inputs widened exactly, float32 sums) within
-one bfloat16 rounding of the output. `decode_attention_paged`, the same arithmetic reading the
-keys from a paged pool through scattered slot tables, must equal the kernel run on the gathered
-keys bit for bit.
+Head shapes cover the specialized ones (G query heads per KV head from 1 to 8, head dim
+64/128) and the general path (G = 3 at head dim 32, G = 12, head dims 16 and 80); key counts
+cover the 16-wide tails of the softmax, a single key, no key (zero output, -inf log-sum-exp)
+and rows that use all W keys; keys are strided views of a larger buffer, as the decode
+workspace hands them out; one and two threads; a traced call inside `torch.compile`; and the
+errors on bad arguments. float32 must agree with float64 to float32 rounding; bfloat16 (inputs
+widened exactly, float32 sums) within one bfloat16 rounding of the output.
+`decode_attention_paged`, the same arithmetic reading the keys from a paged pool through
+scattered slot tables, must equal the kernel run on the gathered keys bit for bit.
 """
 
 from __future__ import annotations
