@@ -49,9 +49,14 @@ class ReqToTokenPool:
 
     def write_one_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """`req_to_token[rows[i], positions[i]] = slots[i]` for every i (a decode step's)."""
-        device = self.req_to_token.device
-        index = torch.tensor([rows, positions], dtype=torch.int64, device=device)
-        self.req_to_token[index[0], index[1]] = slots.to(device)
+        table = self.req_to_token
+        if len(rows) == 1:  # a slice write is the cheapest call
+            table[rows[0], positions[0]:positions[0] + 1] = slots
+            return
+        width = self.max_context_len
+        flat = torch.tensor([r * width + p for r, p in zip(rows, positions)], dtype=torch.int64,
+                            device=table.device)
+        table.view(-1).index_copy_(0, flat, slots.to(table.device))
 
     def clear(self) -> None:
         self._free = list(range(self.size - 1, -1, -1))
