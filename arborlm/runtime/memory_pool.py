@@ -4,9 +4,8 @@ Three objects, each with one job:
 
 - `ReqToTokenPool`: one row per live request; `req_to_token[row, pos]` is the KV slot that
   holds the request's token at position `pos`.
-- `KVPool`: per layer, K and V buffers `[num_slots, num_kv_heads, head_dim]` indexed by slot
-  (on a CPU, in one mapping on transparent huge pages). Slot 0 is never handed out: padded
-  positions point at it, so gathers never go out of range.
+- `KVPool`: per layer, K and V buffers `[num_slots, num_kv_heads, head_dim]` indexed by slot.
+  Slot 0 is never handed out: padded positions point at it, so gathers never go out of range.
 - `PagedAllocator`: hands out slots a page at a time from a free list. A request's positions
   `[k*P, (k+1)*P)` live in one page, at offsets `pos % P`; with page size 1 it is a plain slot
   allocator. It knows nothing about requests or the prefix cache.
@@ -20,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from arborlm.errors import OutOfMemoryError
-from arborlm.runtime.layers.huge_pages import ALIGN, HugePageArena, huge_pages_possible
 
 
 class ReqToTokenPool:
@@ -74,22 +72,8 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         shape = (num_slots, num_kv_heads, head_dim)
-        # On a CPU the buffers lie on transparent huge pages: a decode step reads each request's
-        # keys one slot row apart (a batch's width apart when requests decode together), and
-        # with 4 KiB pages nearly every key row costs a TLB miss. 125M model, 32 requests:
-        # decode attention 0.60 -> 0.46 ms a layer, the step's KV writes 5.2 -> 1.7 ms.
-        self.arena = None
-        if torch.device(device).type == "cpu" and huge_pages_possible():
-            per_buffer = -(-num_slots * num_kv_heads * head_dim * dtype.itemsize // ALIGN) * ALIGN
-            self.arena = HugePageArena(2 * num_layers * per_buffer)
-
-        def buffer() -> torch.Tensor:
-            if self.arena is not None:
-                return self.arena.zeros(shape, dtype)
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.k_buffer = [buffer() for _ in range(num_layers)]
-        self.v_buffer = [buffer() for _ in range(num_layers)]
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,

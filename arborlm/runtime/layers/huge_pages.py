@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import mmap
 import os
 from pathlib import Path
@@ -62,15 +61,6 @@ class HugePageArena:
     @property
     def address(self) -> int:
         return self.bytes.data_ptr()
-
-    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A new zero tensor in the arena (an untouched anonymous mapping reads as zeros)."""
-        n = math.prod(shape) * dtype.itemsize
-        if self.used + n > self.nbytes:
-            raise ValueError(f"arena full: {n} bytes wanted, {self.nbytes - self.used} left")
-        out = self.bytes[self.used:self.used + n].view(dtype).view(shape)
-        self.used += -(-n // ALIGN) * ALIGN
-        return out
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `t` in the arena."""
