@@ -16,11 +16,6 @@ each) and prints both medians and the peer/ours ratio (above 1: ours is faster):
   silu_and_mul     a 512-token prefill's SwiGLU, float32: one pass against `F.silu(g) * u`
   argmax_rows      greedy sampling of 32 rows of 8,192 (32M) and 32,000 (125M) logits:
                    `argmax_rows` against `torch.argmax`
-  KV on huge pages the paged decode attention of the 125M model's shape (12 heads over 4 KV
-                   heads, 32 requests at 54 keys, their slots interleaved as decode steps hand
-                   them out), each call after a 64 MB write has evicted the caches (as a decode
-                   step's linears do): the KV pool on transparent huge pages against torch's
-                   own allocation; the eviction is not timed
   packed_linear    a 32-row linear through its packed oneDNN weight (512 x 512, float32):
                    ArborLM's C++ operator against the same call as a Python custom op (what a
                    compiled batch step calls; eager here, so the gap is a lower bound)
@@ -158,47 +153,6 @@ def argmax_rows(repeats: int, calls: int) -> list[tuple]:
     return rows
 
 
-def cold_kv_row(repeats: int, calls: int) -> tuple | None:
-    """The paged decode attention with its pool on huge pages vs not, caches evicted."""
-    if not huge_pages.huge_pages_possible():
-        return None
-    bsz, keys, slots_n, heads, kv_heads = 32, 54, 32768, 12, 4
-    gen = torch.Generator().manual_seed(4)
-    q = torch.randn(bsz, heads, HEAD_DIM, generator=gen)
-    shape = (slots_n, kv_heads, HEAD_DIM)
-    arena = huge_pages.HugePageArena(2 * slots_n * kv_heads * HEAD_DIM * 4)
-    pools = {"huge": (arena.zeros(shape, torch.float32), arena.zeros(shape, torch.float32)),
-             "plain": (torch.zeros(shape), torch.zeros(shape))}
-    for k, v in pools.values():
-        k.normal_(generator=gen)
-        v.normal_(generator=gen)
-    slots = (torch.arange(keys)[None, :] * bsz + torch.arange(bsz)[:, None] + 1).contiguous()
-    lens = torch.full((bsz,), keys)
-    junk = torch.zeros(16 << 20)  # 64 MB, twice the last-level cache of the machine above
-
-    def cold(pool: str) -> Callable[[], object]:
-        k, v = pools[pool]
-        return lambda: cpu_kernels.decode_attention_paged(q, k, v, slots, lens, 0.125)
-
-    def timed_cold(fn: Callable[[], object]) -> float:
-        total = 0.0
-        for _ in range(calls):
-            junk.add_(1.0)
-            t = time.perf_counter()
-            fn()
-            total += time.perf_counter() - t
-        return total / calls
-
-    a, p = [], []
-    for _ in range(repeats):
-        a.append(timed_cold(cold("huge")))
-        p.append(timed_cold(cold("plain")))
-    ours, peer = statistics.median(a), statistics.median(p)
-    return ("KV on huge pages", "float32", "B=32, 54 keys, cold", f"{ours * 1e6:.0f} us",
-            f"4 KiB pages {peer * 1e6:.0f} us",
-            f"{statistics.median(y / x for x, y in zip(a, p)):.2f}x")
-
-
 def packed_linear_row(repeats: int, calls: int) -> tuple | None:
     if not (cpu_linear.packing_available() and cpu_kernels.packed_linear_available()):
         return None
@@ -229,8 +183,8 @@ def main() -> None:
             rows.append(attention_row(dtype, args.repeats, args.calls))
         rows += elementwise_rows(args.repeats, args.calls)
         rows += argmax_rows(args.repeats, args.calls)
-        rows += [row for row in (cold_kv_row(args.repeats, args.calls),
-                                 packed_linear_row(args.repeats, args.calls)) if row]
+        packed = packed_linear_row(args.repeats, args.calls)
+        rows += [packed] if packed else []
     print(f"threads {args.threads}; medians of {args.repeats} alternating rounds of "
           f"{args.calls} calls; ratio = peer / ArborLM")
     print(table(rows, ("kernel", "dtype", "shape", "ArborLM", "peer", "ratio")))
