@@ -129,6 +129,8 @@ def test_steps_go_through_dynamo_when_no_code_was_caught(make_tiny_model, monkey
             pass
 
     monkeypatch.setattr(compiled_decode, "register_bytecode_hook", lambda hook: NoHook())
+    # Batch 1 would otherwise take the fused C++ step (test_fused_decode.py), not a graph.
+    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "of", classmethod(lambda cls, r: None))
     path = str(make_tiny_model("llama"))
     engine = Engine(path, dtype="float32", enable_torch_compile=True)
     compiled = engine.scheduler.runner.compiled

@@ -16,6 +16,9 @@ and SwiGLU, one pass over the activations each instead of ATen's six and three (
 `csrc/elementwise.cpp`). `argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
 compares element by element: 32 rows of 8,192 logits ~115 us, here ~10 us).
 
+`decode_step`: a whole batch-1 decode step of a Llama-family model in one call over these
+kernels (`csrc/decode_step.cpp`; `compiled_decode.FusedDecodeStep` calls it).
+
 `packed_linear`: a linear through its oneDNN-packed weight, looked up by number, so that a
 compiled graph (which cannot hold the opaque packed tensor) can call it without a Python frame
 (`csrc/packed_linear.cpp`); it needs no AVX-512, only the build.
@@ -51,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("row_gemv.cpp", "decode_attention.cpp", "elementwise.cpp",
-                                    "packed_linear.cpp")]
+                                    "packed_linear.cpp", "decode_step.cpp")]
 # The cache entry's name carries a hash of every source and header: the builder itself hashes
 # only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
 EXTENSION_NAME = "arborlm_cpu_kernels_" + hashlib.sha256(

@@ -34,6 +34,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -291,6 +292,10 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   });
 }
 
+}  // namespace
+
+namespace arborlm_cpu {
+
 at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& v_pool, const at::Tensor& slots,
                                   const at::Tensor& lens, double scale) {
@@ -348,7 +353,7 @@ at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
   return out;
 }
 
-}  // namespace
+}  // namespace arborlm_cpu
 
 TORCH_LIBRARY_FRAGMENT(arborlm, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale) -> "
@@ -359,5 +364,5 @@ TORCH_LIBRARY_FRAGMENT(arborlm, m) {
 
 TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
   m.impl("decode_attention", &decode_attention);
-  m.impl("decode_attention_paged", &decode_attention_paged);
+  m.impl("decode_attention_paged", &arborlm_cpu::decode_attention_paged);
 }

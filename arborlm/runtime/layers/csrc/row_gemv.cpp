@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "kernels.h"
+
 namespace {
 
 // Fewest weight bytes a thread is given: below this a thread's start-up outweighs its share.
@@ -83,6 +85,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void rows_bf16(
   }
 }
 
+}  // namespace
+
+namespace arborlm_cpu {
+
 at::Tensor row_gemv(const at::Tensor& x, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "row_gemv: CPU tensors only");
@@ -134,10 +140,10 @@ at::Tensor row_gemv(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-}  // namespace
+}  // namespace arborlm_cpu
 
 TORCH_LIBRARY(arborlm, m) {
   m.def("row_gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("row_gemv", &row_gemv); }
+TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("row_gemv", &arborlm_cpu::row_gemv); }

@@ -1,0 +1,77 @@
+"""`FusedDecodeStep`: a batch-1 decode step of a Llama-family model as one C++ call
+(`arborlm::decode_step`), used by compiled decode where ArborLM's CPU kernels run.
+
+For each architecture it serves (Llama, Llama 3 rope scaling, Mistral, Qwen2 with q/k/v biases),
+in float32 and bfloat16, a request decoded by the fused step must give the same greedy tokens
+as the eager engine, with output logprobs equal to rounding (its arithmetic is the eager
+model's, op for op), and in float32 the same tokens as `transformers`; every batch-1 decode
+step must go through it. Qwen3's q/k norms are not fused: that model keeps the compiled graph.
+Bad arguments to the operator are clear errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arborlm import Engine
+from arborlm.runtime import compiled_decode
+from arborlm.runtime.layers import cpu_kernels, cpu_linear
+from tests.runtime.engine_helpers import GREEDY, hf_greedy
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_kernels.attention_available(torch.float32) and cpu_linear.packing_available()),
+    reason="ArborLM's CPU kernels do not run on this machine")
+
+PROMPT = [(11 * i) % 300 + 6 for i in range(13)]
+
+
+def _decode(engine: Engine) -> dict:
+    return engine.generate(input_ids=PROMPT, sampling_params=dict(GREEDY, max_new_tokens=12),
+                           return_logprob=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2"])
+def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, dtype):
+    if dtype == "bfloat16" and not cpu_kernels.available(torch.bfloat16):
+        pytest.skip("this CPU lacks AVX512-BF16")
+    monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # some packed, some not
+    path = str(make_tiny_model(arch))
+    calls = []
+    call = compiled_decode.FusedDecodeStep.__call__
+    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
+                        lambda self, batch: calls.append(batch.batch_size) or call(self, batch))
+    with Engine(path, dtype=dtype, enable_torch_compile=True) as engine:
+        assert engine.scheduler.runner.compiled.fused is not None
+        fused = _decode(engine)
+    assert calls == [1] * 11  # every decode step after the prefill's token
+    with Engine(path, dtype=dtype) as engine:
+        eager = _decode(engine)
+    assert fused["output_ids"] == eager["output_ids"]
+    got = [entry[0] for entry in fused["meta_info"]["output_token_logprobs"]]
+    want = [entry[0] for entry in eager["meta_info"]["output_token_logprobs"]]
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    assert got == pytest.approx(want, abs=tol)
+    if dtype == "float32":
+        assert fused["output_ids"] == hf_greedy(path, PROMPT, 12)
+
+
+def test_q_k_norms_keep_the_compiled_graph(make_tiny_model):
+    with Engine(str(make_tiny_model("qwen3")), dtype="float32",
+                enable_torch_compile=True) as engine:
+        assert engine.scheduler.runner.compiled.fused is None
+        out = _decode(engine)
+    assert len(out["output_ids"]) == 12
+
+
+def test_bad_arguments_name_the_problem():
+    one = torch.zeros(1, dtype=torch.int64)
+    pool = [torch.zeros(8, 1, 16)]
+    table = torch.zeros(4, 16)
+    with pytest.raises(RuntimeError, match="13 weights expected for 1 layers"):
+        torch.ops.arborlm.decode_step(one, one, one, one.view(1, 1), one, [None] * 5, pool, pool,
+                                      table, table, 1e-6, 0.25, 1, 1, 16)
+    with pytest.raises(RuntimeError, match="weight 0 is missing"):
+        torch.ops.arborlm.decode_step(one, one, one, one.view(1, 1), one, [None] * 13, pool, pool,
+                                      table, table, 1e-6, 0.25, 1, 1, 16)
