@@ -157,7 +157,6 @@ def packed_linear_row(repeats: int, calls: int) -> tuple | None:
     if not (cpu_linear.packing_available() and cpu_kernels.packed_linear_available()):
         return None
     layer = cpu_linear.PackedLinear(torch.nn.Linear(HIDDEN, HIDDEN, bias=False))
-    cpu_linear._PACKED[layer.handle] = layer  # the Python operator's registry too
     x = torch.randn(32, HIDDEN)
     a, p, r = compare(lambda: cpu_kernels.packed_linear(x, layer.handle),
                       lambda: cpu_linear.packed_linear_py(x, layer.handle), repeats, calls * 5)

@@ -20,9 +20,10 @@ serve instead.
 
 Batch-1 steps of Llama-family models without q/k norms (Llama, Llama 3, Mistral, Qwen2) skip
 the graph where ArborLM's CPU kernels run: `FusedDecodeStep` calls `arborlm::decode_step`, the
-whole step in one C++ call over the same kernels with the eager model's arithmetic. Alternating
-60-step rounds in one process, the graph's ms/step over the fused step's (medians of 12): 32M
-bfloat16 1.087, float32 1.059, 125M float32 1.038.
+whole step in one C++ call over the same kernels with the eager model's arithmetic.
+`benchmarks/cpu_decode_step.py` alternates the two in one engine; the graph's ms/token over the
+fused step's (medians of 9 rounds, 2-core machine): 32M float32 1.050, bfloat16 1.057, 125M
+float32 1.096.
 
 After the warm-up, steps skip Dynamo's guards: the code Dynamo generated for each graph (caught
 with a bytecode hook, as vLLM's compile wrapper does) is called directly, the graph picked by

@@ -76,14 +76,13 @@ class PackedLinear(nn.Module):
         self.handle = next(_handles)  # how a traced graph names it (`packed_linear`)
         # A traced call reaches the packed weight through ArborLM's C++ operator, where it is
         # built, else through the same call written in Python (~15 us more per call).
+        _PACKED[self.handle] = self
         self.native = cpu_kernels.packed_linear_available()
         if self.native:
             cpu_kernels.register_packed_linear(self.handle, self.packed, self.bias,
                                                self.out_features)
             forget = weakref.finalize(self, cpu_kernels.forget_packed_linear, self.handle)
             forget.atexit = False  # at exit the process lets go of everything anyway
-        else:
-            _PACKED[self.handle] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""

@@ -235,22 +235,23 @@ class Scheduler:
         return range(max(first, prefix), max(last, max(first, prefix)))
 
     def _alloc(self, req: Req, start: int, end: int) -> torch.Tensor:
-        need = self.allocator.pages_needed(start, end) * self.page_size
-        if self.allocator.available_size() < need:
-            self.cache.evict(need - self.allocator.available_size())
+        self._make_room(self.allocator.pages_needed(start, end) * self.page_size)
         last = 0  # the slot of position start - 1, read only where a page continues
         if start % self.page_size:
             last = int(self.req_pool.req_to_token[req.req_pool_idx, start - 1])
         return self.allocator.alloc_range(start, end, last)
 
+    def _make_room(self, slots: int) -> None:
+        """Evict cached prefixes until `slots` slots are free (as far as the cache allows)."""
+        if self.allocator.available_size() < slots:
+            self.cache.evict(slots - self.allocator.available_size())
+
     def _alloc_one_each(self, reqs: list[Req], positions: list[int]) -> torch.Tensor:
         """A slot for position `positions[i]` of each request `reqs[i]` (page size 1), written
         to their `req_to_token` rows: a decode step's, in one call each rather than per request
-        (32 requests: ~0.25 -> ~0.05 ms a step)."""
-        n = len(reqs)
-        if self.allocator.available_size() < n:
-            self.cache.evict(n - self.allocator.available_size())
-        slots = self.allocator.alloc_slots(n)
+        (32 requests, timed: the step's scheduling 0.35 -> 0.15 ms)."""
+        self._make_room(len(reqs))
+        slots = self.allocator.alloc_slots(len(reqs))
         self.req_pool.write_one_each([r.req_pool_idx for r in reqs], positions, slots)
         return slots
 

@@ -334,10 +334,11 @@ at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lv[b] >= 0 && lv[b] <= sc.size(1), "decode_attention_paged: a length of ",
                 lv[b], " is outside the ", sc.size(1), " slots of a row");
-    for (int64_t j = 0; j < lv[b]; ++j)
-      TORCH_CHECK(sp[b * sc.size(1) + j] >= 0 && sp[b * sc.size(1) + j] < num_slots,
-                  "decode_attention_paged: slot ", sp[b * sc.size(1) + j], " is outside the pool's ",
-                  num_slots);
+    for (int64_t j = 0; j < lv[b]; ++j) {
+      const int64_t s = sp[b * sc.size(1) + j];
+      TORCH_CHECK(s >= 0 && s < num_slots, "decode_attention_paged: slot ", s,
+                  " is outside the pool's ", num_slots);
+    }
   }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);

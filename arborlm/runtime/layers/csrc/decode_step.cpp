@@ -73,17 +73,11 @@ void rotate(T* x, const T* cos, const T* sin, int64_t heads, int64_t dim) {
   }
 }
 
-// silu(x) = x / (1 + e^-x) of n float32 values, vectorized (a scalar exp per element would
-// cost ~0.2 ms a step at the 32M model's 8 x 1,408).
+// silu of n float32 values, with the vectorized exp the other kernels use.
 __attribute__((target("avx512f"))) void silu(const float* x, float* out, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    _mm512_storeu_ps(out + i, _mm512_div_ps(v, _mm512_add_ps(one, arborlm_cpu::exp16(
-                                                                 _mm512_sub_ps(
-                                                                     _mm512_setzero_ps(), v)))));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, arborlm_cpu::silu16(_mm512_loadu_ps(x + i)));
   for (; i < n; ++i) out[i] = x[i] / (1.0f + std::exp(-x[i]));
 }
 

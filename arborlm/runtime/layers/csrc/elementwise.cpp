@@ -27,7 +27,7 @@
 
 namespace {
 
-using arborlm_cpu::exp16;
+using arborlm_cpu::silu16;
 
 // Fewest elements a thread is given: below this a thread's start-up outweighs its share.
 constexpr int64_t kMinElementsPerThread = 16 * 1024;
@@ -97,12 +97,9 @@ at::Tensor add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& re
 
 __attribute__((target("avx512f"))) void silu_mul_row(const float* g, const float* u, float* out,
                                                      int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
-    const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
-    const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(
-                                                                  _mm512_setzero_ps(), gv))));
+    const __m512 silu = silu16(_mm512_maskz_loadu_ps(m, g + i));
     _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
   }
 }
@@ -130,7 +127,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // The index of a row's largest value, the first where it repeats; a NaN counts as larger than
 // any number, so the first NaN wins (torch.argmax's rule). Two vectorized passes over the row:
 // its maximum (NaNs noted on the way), then the first element equal to it. ATen's CPU argmax
-// compares element by element: 32 rows of 8,192 logits take it ~115 us, this ~10 us.
+// compares element by element: 32 rows of 8,192 logits take it ~115 us, this ~16 us.
 __attribute__((target("avx512f"))) int64_t argmax_row(const float* x, int64_t n) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;

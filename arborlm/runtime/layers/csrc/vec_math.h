@@ -25,4 +25,10 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// silu(x) = x / (1 + e^-x).
+__attribute__((target("avx512f"))) inline __m512 silu16(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                        exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
 }  // namespace arborlm_cpu
