@@ -4,9 +4,11 @@ shapes, in one run.
 Each row times ArborLM's kernel and its peer alternately (`--repeats` rounds of `--calls` calls
 each) and prints both medians and the peer/ours ratio (above 1: ours is faster):
 
-  row_gemv         one step's one-row linears (8 layers: qkv, o, gate_up, down; the head):
-                   `torch.ops.arborlm.row_gemv` against `F.linear` (MKL / oneDNN GEMV)
-  huge pages       the same `row_gemv` stream with the weights on transparent huge pages
+  panel_linear     one step's linears (8 layers: qkv, o, gate_up, down; the head), each weight
+                   read once per step (no cache reuse between calls), for 1 row against
+                   `F.linear` (MKL / oneDNN GEMV) and for 32 rows against oneDNN's packed
+                   weight (`mkldnn::_linear_pointwise`, what decode batches called before)
+  huge pages       the same one-row panel stream with the weights on transparent huge pages
                    (`HugePageArena`) against torch's own allocations
   decode attention batch 32, 8 heads over 4 KV heads, ~96 of 192 keys per request (the decode
                    workspace's padded layout): `decode_attention` against two batched matmuls
@@ -69,24 +71,39 @@ def compare(ours: Callable[[], object], peer: Callable[[], object], repeats: int
         y / x for x, y in zip(a, p))
 
 
-def gemv_rows(dtype: torch.dtype, repeats: int, calls: int) -> list[tuple]:
+def panel_rows(dtype: torch.dtype, repeats: int, calls: int) -> list[tuple]:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in LINEARS]
-    xs = [torch.randn(1, i, generator=gen).to(dtype) for _, i in LINEARS]
+    panels = [cpu_kernels.pack_panels(w) for w in weights]
     mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    flop = 2 * 32 * sum(w.numel() for w in weights)
+    name = str(dtype).removeprefix("torch.")
     rows = []
-    ours = lambda ws: lambda: [cpu_kernels.row_gemv(x, w) for x, w in zip(xs, ws)]  # noqa: E731
-    a, p, r = compare(ours(weights), lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
+
+    def ours(ps: list[torch.Tensor], n: int) -> Callable[[], object]:
+        xs = [torch.randn(n, i, generator=gen).to(dtype) for _, i in LINEARS]
+        return lambda: [cpu_kernels.panel_linear(x, p, o) for x, p, (o, _) in zip(xs, ps, LINEARS)]
+
+    xs = [torch.randn(1, i, generator=gen).to(dtype) for _, i in LINEARS]
+    a, p, r = compare(ours(panels, 1), lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
                       repeats, calls)
-    rows.append(("row_gemv", str(dtype).removeprefix("torch."), f"{mb:.0f} MB",
+    rows.append(("panel_linear, 1 row", name, f"{mb:.0f} MB",
                  f"{a * 1e3:.2f} ms ({mb / 1e3 / a:.0f} GB/s)",
                  f"F.linear {p * 1e3:.2f} ms", f"{r:.2f}x"))
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    xs = [torch.randn(32, i, generator=gen).to(dtype) for _, i in LINEARS]
+    a, p, r = compare(ours(panels, 32), lambda: [
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for x, w in zip(xs, packed)],
+        repeats, max(2, calls // 8))
+    rows.append(("panel_linear, 32 rows", name, f"{mb:.0f} MB",
+                 f"{a * 1e3:.2f} ms ({flop / 1e9 / a:.0f} GFLOP/s)",
+                 f"oneDNN packed {p * 1e3:.2f} ms ({flop / 1e9 / p:.0f})", f"{r:.2f}x"))
     if huge_pages.huge_pages_possible():
-        arena = huge_pages.HugePageArena(sum(-(-w.numel() * w.element_size() // 64) * 64
-                                             for w in weights))
-        on_huge = [arena.copy(w) for w in weights]
-        a, p, r = compare(ours(on_huge), ours(weights), repeats, calls)
-        rows.append(("huge pages", str(dtype).removeprefix("torch."), f"{mb:.0f} MB",
+        arena = huge_pages.HugePageArena(sum(-(-q.numel() * q.element_size() // 64) * 64
+                                             for q in panels))
+        on_huge = [arena.copy(q) for q in panels]
+        a, p, r = compare(ours(on_huge, 1), ours(panels, 1), repeats, calls)
+        rows.append(("huge pages, 1 row", name, f"{mb:.0f} MB",
                      f"{a * 1e3:.2f} ms ({mb / 1e3 / a:.0f} GB/s)",
                      f"4 KiB pages {p * 1e3:.2f} ms", f"{r:.2f}x"))
     return rows
@@ -178,7 +195,7 @@ def main() -> None:
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
             if cpu_kernels.available(dtype):
-                rows += gemv_rows(dtype, args.repeats, args.calls)
+                rows += panel_rows(dtype, args.repeats, args.calls)
             rows.append(attention_row(dtype, args.repeats, args.calls))
         rows += elementwise_rows(args.repeats, args.calls)
         rows += argmax_rows(args.repeats, args.calls)

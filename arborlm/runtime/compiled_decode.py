@@ -4,17 +4,17 @@ On CPU a small model's eager decode step is a few hundred short ATen calls, each
 dispatch and thread start-up costs that can exceed its arithmetic. With `enable_torch_compile`,
 the model's own forward (the same modules, weights and numerics) is compiled by Inductor into a
 handful of fused C++ kernels around the matmuls; attention runs through
-`CompiledDecodeAttention`, which the compiler can trace, and one-row linears call ArborLM's
-own kernel (`cpu_kernels.row_gemv`) or, where it cannot run, become streaming reduction kernels
-(`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s).
+`CompiledDecodeAttention`, which the compiler can trace, and the packed linears call ArborLM's
+own kernel (`cpu_kernels.panel_linear`) or, where it cannot run, become streaming reduction
+kernels for one row (`cpu_linear.row_linear`; small unpacked layers are made `RowLinear`s) and
+opaque calls of the packed oneDNN weights for more (`cpu_kernels.packed_linear`).
 
 The graphs are compiled when the engine starts, with the KV length dynamic: one for batch size
 1 and, when `torch_compile_max_bs` > 1 (32 by default, as in SGLang), one with the batch size
-dynamic (2 to it), so no step ever waits for a compile and no batch is padded. Batched steps
-call the layers' packed oneDNN weights through an opaque op (`cpu_kernels.packed_linear`).
-Inductor caches compiled code on disk, so later engines start faster. Larger decode batches,
-batches whose requests share a cached prefix (cascade attention is eager), extend steps and,
-without the CPU attention kernel, sequences longer than `COMPILED_MAX_SEQ_LEN` run eagerly
+dynamic (2 to it), so no step ever waits for a compile and no batch is padded. Inductor
+caches compiled code on disk, so later engines start faster. Larger decode batches, batches
+whose requests share a cached prefix (cascade attention is eager), extend steps and, without
+the CPU attention kernel, sequences longer than `COMPILED_MAX_SEQ_LEN` run eagerly
 (`ModelRunner` asks `can_run`); so do decode steps on devices other than CPU, where CUDA graphs
 serve instead.
 
@@ -96,7 +96,7 @@ class CompiledDecodeRunner:
         self.max_bs = max_bs
         self.attention = CompiledDecodeAttention(runner.device, runner.kv_pool.dtype)
         self.fused: FusedDecodeStep | None = None  # set after the warm-up (below)
-        use_row_linears(runner.model)  # packed ones trace as row_gemv / row_linear already
+        use_row_linears(runner.model)  # packed ones trace as panel_linear / row_linear already
         # A code object of this runner's own: Dynamo's code for it (below) is this runner's.
         source = FunctionType(_decode_step.__code__.replace(), globals(), "_decode_step")
         self.step = torch.compile(source, dynamic=None, fullgraph=True, options=INDUCTOR_OPTIONS)
@@ -178,8 +178,9 @@ class FusedDecodeStep:
     `arborlm::decode_step`: the same kernels and the eager model's arithmetic, without the
     compiled graph's ~40 dispatcher calls (see `csrc/decode_step.cpp`)."""
 
-    def __init__(self, runner: ModelRunner, weights: list[torch.Tensor | None]):
+    def __init__(self, runner: ModelRunner, weights: list[torch.Tensor | None], intermediate: int):
         model = runner.model
+        self.intermediate = intermediate
         spec = model.model.layers[0].self_attn.spec
         self.weights = weights
         self.k_pool, self.v_pool = runner.kv_pool.k_buffer, runner.kv_pool.v_buffer
@@ -190,7 +191,7 @@ class FusedDecodeStep:
     @classmethod
     def of(cls, runner: ModelRunner) -> FusedDecodeStep | None:
         """The fused step for `runner`'s model, or None where it does not apply (another
-        architecture, q/k norms, a linear without a plain `[out, in]` weight, no kernels)."""
+        architecture, q/k norms, a linear of another kind or dtype, no kernels)."""
         from arborlm.runtime.models.llama import LlamaForCausalLM
 
         model = runner.model
@@ -205,18 +206,18 @@ class FusedDecodeStep:
         weights: list[torch.Tensor | None] = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_plain(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                  mlp.down_proj)]
+            linears = [_panels(m, dtype) for m in (attn.qkv_proj, attn.o_proj,
+                                                   mlp.gate_up_proj, mlp.down_proj)]
             if any(x is None for x in linears):
                 return None
             (qkv, qkv_b), (o, o_b), (gu, gu_b), (down, down_b) = linears
             weights += [layer.input_layernorm.weight, qkv, qkv_b, o, o_b,
                         layer.post_attention_layernorm.weight, gu, gu_b, down, down_b]
-        head = _plain(model.lm_head, dtype)
+        head = _panels(model.lm_head, dtype)
         if head is None or head[1] is not None:
             return None
         weights += [model.model.embed_tokens.weight, model.model.norm.weight, head[0]]
-        return cls(runner, weights)
+        return cls(runner, weights, model.model.layers[0].mlp.down_proj.in_features)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[1, vocab]` float32 of a one-request decode batch (metadata built)."""
@@ -225,23 +226,23 @@ class FusedDecodeStep:
         return torch.ops.arborlm.decode_step(
             batch.input_ids, batch.positions, batch.out_cache_loc, meta.slots, meta.seq_lens,
             self.weights, self.k_pool, self.v_pool, self.cos, self.sin, self.eps, scale, heads,
-            kv_heads, head_dim)
+            kv_heads, head_dim, self.intermediate)
 
 
-def _plain(linear: nn.Module, dtype: torch.dtype
-           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A linear's weight `[out, in]` (contiguous, `dtype`) and bias, or None if it has none."""
+def _panels(linear: nn.Module, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A linear's weight in `cpu_kernels.pack_panels`' layout and its float32 bias, or None
+    where it has none (a `PackedLinear` without panels, another module, another dtype)."""
     if isinstance(linear, PackedLinear):
-        if linear.transposed or not linear.gemv:
+        if linear.panels is None or linear.panels.dtype != dtype:
             return None
-        weight, bias = linear.plain, linear.bias
-    elif isinstance(linear, nn.Linear):
-        weight, bias = linear.weight, linear.bias
-    else:
+        return linear.panels, linear.bias32
+    if not isinstance(linear, nn.Linear):  # a small one, left unpacked: panels of its own
         return None
-    if weight.dtype != dtype or not weight.is_contiguous() or weight.device.type != "cpu":
+    weight, bias = linear.weight.detach(), linear.bias
+    if weight.dtype != dtype or weight.device.type != "cpu":
         return None
-    return weight, bias
+    return cpu_kernels.pack_panels(weight), None if bias is None else bias.detach().float()
 
 
 def _shares_a_prefix(batch: ForwardBatch) -> bool:

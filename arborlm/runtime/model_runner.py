@@ -22,7 +22,7 @@ from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.layers.cpu_linear import pack_linears
-from arborlm.runtime.layers.huge_pages import HugePageArena, move_gemv_weights
+from arborlm.runtime.layers.huge_pages import HugePageArena, move_decode_weights
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class ModelRunner:
         if self.device == "cpu":
             packed = pack_linears(self.model, transpose_fp32=not args.enable_torch_compile)
             logger.info("%d linear weights prepacked for oneDNN", packed)
-            self.weight_arena = move_gemv_weights(self.model)
+            self.weight_arena = move_decode_weights(self.model)
         self.vocab_size = mc.vocab_size
         self.page_size = args.page_size
         num_slots = self._pool_slots()

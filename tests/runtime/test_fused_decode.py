@@ -71,7 +71,16 @@ def test_bad_arguments_name_the_problem():
     table = torch.zeros(4, 16)
     with pytest.raises(RuntimeError, match="13 weights expected for 1 layers"):
         torch.ops.arborlm.decode_step(one, one, one, one.view(1, 1), one, [None] * 5, pool, pool,
-                                      table, table, 1e-6, 0.25, 1, 1, 16)
+                                      table, table, 1e-6, 0.25, 1, 1, 16, 32)
     with pytest.raises(RuntimeError, match="weight 0 is missing"):
         torch.ops.arborlm.decode_step(one, one, one, one.view(1, 1), one, [None] * 13, pool, pool,
-                                      table, table, 1e-6, 0.25, 1, 1, 16)
+                                      table, table, 1e-6, 0.25, 1, 1, 16, 32)
+    # A linear given as a plain [out, in] matrix, not as panels.
+    hidden, vec = 16, torch.ones(16)
+    layer = [vec, torch.zeros(48, hidden), None, cpu_kernels.pack_panels(torch.zeros(16, 16)),
+             None, vec, cpu_kernels.pack_panels(torch.zeros(64, 16)), None,
+             cpu_kernels.pack_panels(torch.zeros(16, 32)), None]
+    tail = [torch.zeros(10, hidden), vec, cpu_kernels.pack_panels(torch.zeros(10, 16))]
+    with pytest.raises(RuntimeError, match="weight 1 must be the panels of a 16 -> 48 linear"):
+        torch.ops.arborlm.decode_step(one, one, one, one.view(1, 1), one, layer + tail, pool,
+                                      pool, table, table, 1e-6, 0.25, 1, 1, 16, 32)

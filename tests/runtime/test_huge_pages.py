@@ -1,10 +1,10 @@
 """Weights on transparent huge pages (`layers/huge_pages.py`).
 
 The arena is one mapping advised `MADV_HUGEPAGE` (its `hg` flag in /proc/self/smaps), hands out
-64-byte-aligned copies equal to their sources, and refuses to overflow; `move_gemv_weights`
-moves every `PackedLinear`'s plain weight into it (a tied parameter follows) and the layers'
-products are unchanged; `ARBORLM_HUGE_PAGES=0` leaves the model alone. (Whether the kernel then
-backs the mapping with 2 MiB pages depends on free memory, so it is not asserted.)
+64-byte-aligned copies equal to their sources, and refuses to overflow; `move_decode_weights`
+moves every `PackedLinear`'s panels into it and the layers' products are unchanged;
+`ARBORLM_HUGE_PAGES=0` leaves the model alone. (Whether the kernel then backs the mapping with
+2 MiB pages depends on free memory, so it is not asserted.)
 """
 
 from __future__ import annotations
@@ -49,41 +49,26 @@ def test_arena_copies_aligned_and_advised():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gemv_weights_move_and_keep_their_products(dtype, monkeypatch):
+def test_decode_weights_move_and_keep_their_products(dtype, monkeypatch):
     if not (cpu_linear.packing_available() and cpu_kernels.available(dtype)):
-        pytest.skip("no packed linears or no row_gemv here")
+        pytest.skip("no packed linears or no panel kernel here")
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 0)
     torch.manual_seed(0)
     holder = nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64, bias=False))})
     holder = holder.to(dtype)
     cpu_linear.pack_linears(holder)
-    x = torch.randn(1, 64).to(dtype)
+    x = torch.randn(3, 64).to(dtype)
     with torch.inference_mode():
         before = holder["mlp"](x)
-    arena = huge_pages.move_gemv_weights(holder)
+    arena = huge_pages.move_decode_weights(holder)
     assert arena is not None
     lo, hi = arena.address, arena.address + arena.nbytes
     packed = [m for m in holder.modules() if isinstance(m, cpu_linear.PackedLinear)]
     assert len(packed) == 2
     for m in packed:
-        assert lo <= m.plain.data_ptr() < hi
+        assert lo <= m.panels.data_ptr() < hi
     with torch.inference_mode():
         assert torch.equal(holder["mlp"](x), before)
 
     monkeypatch.setenv("ARBORLM_HUGE_PAGES", "0")
-    assert huge_pages.move_gemv_weights(holder) is None
-
-
-def test_a_tied_parameter_follows_its_weight(monkeypatch):
-    if not (cpu_linear.packing_available() and cpu_kernels.available(torch.float32)):
-        pytest.skip("no packed linears or no row_gemv here")
-    monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 0)
-    embed = nn.Embedding(128, 32)
-    head = nn.Linear(32, 128, bias=False)
-    head.weight = embed.weight  # tied, as a tied LM head is
-    holder = nn.ModuleDict({"embed": embed, "head": head})
-    cpu_linear.pack_linears(holder, transpose_fp32=False)
-    arena = huge_pages.move_gemv_weights(holder)
-    assert arena is not None
-    assert holder["head"].plain.data_ptr() == embed.weight.data_ptr()  # one copy, shared
-    assert arena.address <= embed.weight.data_ptr() < arena.address + arena.nbytes
+    assert huge_pages.move_decode_weights(holder) is None

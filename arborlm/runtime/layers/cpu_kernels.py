@@ -1,15 +1,16 @@
-"""ArborLM's own CPU kernels, C++ torch operators built on first use: `row_gemv` (one-row
-linears, batch-1 decode), `decode_attention` (over each request's own keys; `_paged` reads the
-KV pool in place), and the fused float32 `add_rms_norm` and `silu_and_mul`.
+"""ArborLM's own CPU kernels, C++ torch operators built on first use: `panel_linear` (the
+linears of decode batches, one row included), `decode_attention` (over each request's own keys;
+`_paged` reads the KV pool in place), and the fused float32 `add_rms_norm` and `silu_and_mul`.
 
-`row_gemv`: a batch-1 decode step reads every weight once to produce one row, so it runs at the
-memory bandwidth the linears reach. The library kernels fall short there: on a 2-core
-AVX512-BF16 machine, the 32M benchmark model's weights (one step's linears, 111 MB float32)
-take 10.5 ms through MKL's GEMV (10.5 GB/s), 5.8 ms as Inductor's fused reduction
-(`row_linear`, one thread), and 3.5 ms through `row_gemv` (32 GB/s) on two threads.
-`csrc/row_gemv.cpp` streams each weight row front to back with four accumulators and splits the
-rows over torch's threads; bfloat16 uses the AVX512-BF16 dot product (products exact, sums in
-float32, one rounding).
+`panel_linear`: a decode step multiplies a few rows by every weight, and the weights do not fit
+in the cache, so the step streams them all from memory. `pack_panels` lays a weight out as
+panels of 32 output columns, each one sequential stream, and `csrc/panel_gemm.cpp` reads every
+panel from memory once per call, keeping a tile of up to 12 rows x 32 columns in registers
+(float32 FMAs; bfloat16 with the AVX512-BF16 dot product: products exact, sums in float32, one
+rounding). On a 2-core Zen 4 machine, 32 rows against oneDNN's packed GEMM with the weight not
+cached (the 32M benchmark model's shapes): float32 175-200 against 140-175 GFLOP/s, bfloat16
+360-390 against 240-350; one row streams the weight at 23-44 GB/s, as fast as or faster than
+the one-row kernel it replaced (MKL's GEMV: ~10 GB/s). `benchmarks/cpu_kernels.py` measures it.
 
 `add_rms_norm` and `silu_and_mul` (float32, eager forward): a residual add fused with RMSNorm,
 and SwiGLU, one pass over the activations each instead of ATen's six and three (see
@@ -33,7 +34,7 @@ The kernels are C++ torch operators (`torch.ops.arborlm.*`) in one extension, bu
 with torch's extension builder (a C++ compiler and ninja; ~20 s, cached on disk after) and traced
 by `torch.compile` as opaque calls. `available(dtype)`, `attention_available(dtype)` and
 `elementwise_available(dtype)` say whether they can run here: an x86 CPU with AVX-512 (and, for
-`row_gemv` in bfloat16, AVX512-BF16), and a build that succeeded; otherwise callers keep their
+`panel_linear` in bfloat16, AVX512-BF16), and a build that succeeded; otherwise callers keep their
 library path.
 `ARBORLM_CPU_KERNELS=0` turns them off (to compare).
 """
@@ -53,7 +54,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("row_gemv.cpp", "decode_attention.cpp", "elementwise.cpp",
+SOURCES = [CSRC / name for name in ("panel_gemm.cpp", "decode_attention.cpp", "elementwise.cpp",
                                     "packed_linear.cpp", "decode_step.cpp")]
 # The cache entry's name carries a hash of every source and header: the builder itself hashes
 # only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
@@ -65,7 +66,7 @@ _built: bool | None = None  # None: not tried yet; else whether the operator is 
 
 
 def cpu_supports(dtype: torch.dtype) -> bool:
-    """Whether this CPU has the instructions `row_gemv` needs for `dtype`."""
+    """Whether this CPU has the instructions `panel_linear` needs for `dtype`."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     if not torch.cpu._is_avx512_supported():
@@ -76,7 +77,8 @@ def cpu_supports(dtype: torch.dtype) -> bool:
 
 
 def available(dtype: torch.dtype) -> bool:
-    """Whether `row_gemv` runs here for `dtype`, building the operators on the first call."""
+    """Whether `panel_linear` runs here for `dtype`, building the operators on the first
+    call."""
     if os.environ.get("ARBORLM_CPU_KERNELS", "1") == "0" or not cpu_supports(dtype):
         return False
     return _build()
@@ -124,13 +126,14 @@ def _build() -> bool:
                            "kernels serve instead", exc)
             _built = False
             return False
-        torch.library.register_fake("arborlm::row_gemv")(_row_gemv_shape)
         torch.library.register_fake("arborlm::decode_attention")(_decode_attention_shape)
         torch.library.register_fake("arborlm::decode_attention_paged")(_paged_shape)
         torch.library.register_fake("arborlm::add_rms_norm")(_norm_shape)
         torch.library.register_fake("arborlm::silu_and_mul")(_silu_shape)
         torch.library.register_fake("arborlm::argmax_rows")(_argmax_shape)
         torch.library.register_fake("arborlm::packed_linear")(_packed_linear_shape)
+        torch.library.register_fake("arborlm::pack_panels")(_pack_panels_shape)
+        torch.library.register_fake("arborlm::panel_linear")(_panel_linear_shape)
         _built = True
         return True
 
@@ -145,19 +148,6 @@ def _find_ninja() -> None:
     except ImportError:
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def _row_gemv_shape(x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    return x.new_empty((1, weight.shape[0]))
-
-
-def row_gemv(x: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x `[1, in]` times weight `[out, in]` (plus bias `[out]`) -> `[1, out]` in x's dtype
-    (float32 or bfloat16, the same for both), summed in float32 and rounded once;
-    `available(x.dtype)` must hold."""
-    return torch.ops.arborlm.row_gemv(x, weight, bias)
 
 
 def _decode_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -248,3 +238,34 @@ def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """x `[T, in]` times layer `handle`'s packed weight (plus bias) -> `[T, out]`, through
     `mkldnn::_linear_pointwise`; the layer must be registered."""
     return torch.ops.arborlm.packed_linear(x, handle)
+
+
+PANEL_COLUMNS = 32  # output columns per panel (`csrc/panel_gemm.cpp`)
+
+
+def _pack_panels_shape(weight: torch.Tensor) -> torch.Tensor:
+    out, inp = weight.shape
+    panels = -(-out // PANEL_COLUMNS)
+    if weight.dtype == torch.float32:
+        return weight.new_empty((panels, inp, PANEL_COLUMNS))
+    return weight.new_empty((panels, -(-inp // 2), PANEL_COLUMNS, 2))
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight `[out, in]` (float32 or bfloat16) in `panel_linear`'s layout: panels of 32 output
+    columns (the last padded with zeros), float32 `[panels, in, 32]`, bfloat16 as column pairs
+    `[panels, ceil(in/2), 32, 2]`; `available(weight.dtype)` must hold."""
+    return torch.ops.arborlm.pack_panels(weight)
+
+
+def _panel_linear_shape(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[T, in]` times the weight `pack_panels` laid out as `panels` (plus bias `[out]`) ->
+    `[T, out_features]` in x's dtype, each output one float32 dot product (in the same order
+    for any T) rounded once; `available(x.dtype)` must hold."""
+    return torch.ops.arborlm.panel_linear(x, panels, out_features, bias)

@@ -8,29 +8,33 @@ does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for any num
 prefill too, where the packed float32 product beats MKL's on the plain weight (2-core
 AVX512-BF16 machine, the 32M benchmark model's four linears, two threads, GFLOP/s: 65 rows
 133 -> 206, 512 rows 140 -> 208, 2048 rows 126 -> 210; bfloat16 370-400 -> 395-420; a 512-token
-prefill's linears 147 -> 105 ms). One row goes to ArborLM's own kernel (`cpu_kernels.row_gemv`)
-where the CPU has it; elsewhere, with one thread, one float32 row runs as `x @ W^T` with the
-weight stored transposed, MKL's fastest single-thread float32 GEMV (MKL does not split it over
-threads; oneDNN does). Measured on the machine above: float32 1 row 10 -> 15 GB/s (one
-thread), 11 -> 22 GB/s (two); 32 rows 57 -> 87 GFLOP/s (one thread); bfloat16 1 row 7.5 ->
-12 GB/s (one), 15 -> 24 GB/s (two); 32 rows 119 -> 163 GFLOP/s (one).
-bfloat16 results of oneDNN are bit-identical to `F.linear` (the same kernels); float32 ones
-differ from it in the last bits (other summation orders). Both copies of each weight are kept,
-so the linear weights take twice their memory.
+prefill's linears 147 -> 105 ms).
+
+Decode-sized batches (up to `PANEL_MAX_ROWS` rows, one row included) go instead to ArborLM's
+own kernel where the CPU has it, `cpu_kernels.panel_linear` over a second copy of the weight in
+column panels (`csrc/panel_gemm.cpp`): a decode step's weights stream in from memory, where
+oneDNN loses a fifth of its speed and the panels do not (32 rows, 32M model's shapes, weights
+not cached, GFLOP/s: float32 140-175 -> 175-200, bfloat16 240-350 -> 360-390; one row streams
+at 23-44 GB/s). Its results do not depend on the batch size. Where it cannot run, the plain
+weight is kept instead: with one thread, one float32 row runs as `x @ W^T` with the weight
+stored transposed, MKL's fastest single-thread float32 GEMV (MKL does not split it over
+threads; oneDNN does). bfloat16 results of oneDNN are bit-identical to `F.linear` (the same
+kernels); float32 ones differ from it in the last bits (other summation orders), as the
+panels' do. Two copies of each weight are kept (packed and panels, or packed and plain), so the
+linear weights take twice their memory.
 
 A oneDNN call costs ~10 µs more than MKL's for a tiny matrix, so weights below
 `MIN_PACKED_ELEMENTS` stay plain `nn.Linear`. Not here: quantization, GPUs (cuBLAS as is).
 
-Inside `torch.compile` (the compiled decode step) the opaque packed copy cannot be traced, so a
-traced call uses the plain copy: one row as `row_linear`, an elementwise product and a row sum
-that Inductor turns into one streaming C++ kernel (float32 25 vs 16 GB/s for MKL's GEMV on one
-thread of the machine above, bfloat16 21 vs 9), more rows through `cpu_kernels.packed_linear`, an
-opaque C++ operator that looks the layer up by number and calls its packed weight (float32 32
-rows: 206 against MKL's 132 GFLOP/s on the plain copy; `packed_linear_py`, the same in Python,
-where the operators are not built). The kernel needs the
-weight row-major as `[out, in]`, so `pack_linears(transpose_fp32=False)` keeps float32 plain
-copies untransposed (the engine does so with `enable_torch_compile`), and `use_row_linears`
-gives the unpacked small layers the same traced form (`RowLinear`).
+Inside `torch.compile` (the compiled decode step) `panel_linear` is traced as an opaque call
+on the panels. The opaque oneDNN copy cannot be traced: where the panels do not serve, one row
+runs on the plain copy as `row_linear`, an elementwise product and a row sum that Inductor turns
+into one streaming C++ kernel, and more rows through `cpu_kernels.packed_linear`, an opaque C++
+operator that looks the layer up by number and calls its packed weight (`packed_linear_py`, the
+same in Python, where the operators are not built). `row_linear` needs the weight row-major as
+`[out, in]`, so `pack_linears(transpose_fp32=False)` keeps float32 plain copies untransposed
+(the engine does so with `enable_torch_compile`), and `use_row_linears` gives the unpacked
+small layers the same traced form (`RowLinear`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from arborlm.runtime.layers import cpu_kernels
 MIN_PACKED_ELEMENTS = 1 << 16
 # Batch size the packed layout is tuned for; any batch size runs on it.
 BATCH_HINT = 32
+# Most rows a call gives the panel kernel; above it (prefill) oneDNN's blocking is faster.
+PANEL_MAX_ROWS = 128
 
 
 def packing_available() -> bool:
@@ -66,13 +72,17 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
-        # One row goes to ArborLM's own kernel where it runs (`cpu_kernels`), eager or traced.
-        self.gemv = cpu_kernels.available(weight.dtype)
+        # Decode batches go to ArborLM's panel kernel where it runs, eager or traced.
+        self.panels = cpu_kernels.pack_panels(weight) if cpu_kernels.available(weight.dtype) \
+            else None
         # Without it, float32 keeps W^T (row-major [in, out]) unless told otherwise: `x @ W^T`
         # is MKL's faster one-thread GEMV; bfloat16 keeps W itself.
-        self.transposed = weight.dtype == torch.float32 and transpose_fp32 and not self.gemv
-        self.plain = weight.t().contiguous() if self.transposed else weight  # [in, out] | [out, in]
+        self.transposed = weight.dtype == torch.float32 and transpose_fp32 and self.panels is None
+        self.plain = None if self.panels is not None else \
+            weight.t().contiguous() if self.transposed else weight  # [in, out] | [out, in]
         self.bias = linear.bias
+        # The panel kernel adds a float32 bias (before rounding, as a GEMM's epilogue does).
+        self.bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.handle = next(_handles)  # how a traced graph names it (`packed_linear`)
         # A traced call reaches the packed weight through ArborLM's C++ operator, where it is
         # built, else through the same call written in Python (~15 us more per call).
@@ -87,15 +97,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
         rows = x.shape[0]
-        if rows == 1 and self.gemv:
-            return cpu_kernels.row_gemv(x, self.plain, self.bias)
+        if self.panels is not None and rows <= PANEL_MAX_ROWS:
+            return cpu_kernels.panel_linear(x, self.panels, self.out_features, self.bias32)
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
-            if rows == 1 and not self.transposed:
+            if rows == 1 and self.plain is not None and not self.transposed:
                 return row_linear(x, self.plain, self.bias)
             if self.native:  # an opaque call with the packed weight
                 return cpu_kernels.packed_linear(x, self.handle)
             return packed_linear_py(x, self.handle)
-        single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
+        single_gemv = self.plain is not None and self.transposed and rows == 1 \
+            and torch.get_num_threads() == 1
         if single_gemv:
             return self._plain(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -5,11 +5,11 @@ at which memory streams in. With 4 KiB pages that stream crosses a page, and so 
 every 64 cache lines; the page walks then cost a share of the bandwidth. Linux backs anonymous
 memory with 2 MiB pages where a mapping asks for them (`MADV_HUGEPAGE`; `transparent_hugepage`
 set to `madvise`, the common default, gives them to no one else), but torch's allocator never
-asks. `HugePageArena` is one such mapping, and `move_gemv_weights` copies into it the weights
-that ArborLM's one-row kernel streams (each `PackedLinear`'s plain weight, and the parameter it
-aliases, so nothing is held twice). On the 2-core development machine, one step's `row_gemv`s
-over the 32M model's weights: bfloat16 1.39-1.54 -> 1.20-1.28 ms, float32 3.62-3.93 -> 3.27-3.74
-ms (alternating runs).
+asks. `HugePageArena` is one such mapping, and `move_decode_weights` copies into it the weights
+that ArborLM's decode kernel streams (each `PackedLinear`'s panels, `cpu_kernels.panel_linear`).
+On the 2-core development machine, one step's one-row products over the 32M model's weights,
+measured with the row kernel that preceded the panels: bfloat16 1.39-1.54 -> 1.20-1.28 ms,
+float32 3.62-3.93 -> 3.27-3.74 ms (alternating runs).
 
 Where the kernel has no huge pages (`never`, or not Linux), the arena is plain memory and changes
 nothing; `ARBORLM_HUGE_PAGES=0` skips it.
@@ -73,26 +73,20 @@ class HugePageArena:
         return out
 
 
-def move_gemv_weights(model: nn.Module) -> HugePageArena | None:
-    """Copy every `PackedLinear`'s plain weight (the one `row_gemv` streams at batch 1) into a
-    new `HugePageArena`, re-pointing the parameter it aliases too; returns the arena (to keep),
-    or None when there is nothing to move or no huge pages here."""
+def move_decode_weights(model: nn.Module) -> HugePageArena | None:
+    """Copy every `PackedLinear`'s panels (the weights a decode step streams) into a new
+    `HugePageArena`; returns the arena (to keep), or None when there is nothing to move or no
+    huge pages here."""
     from arborlm.runtime.layers.cpu_linear import PackedLinear
 
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.gemv
-              and m.plain.device.type == "cpu" and m.plain.is_contiguous()]
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)
+              and m.panels is not None and m.panels.device.type == "cpu"]
     if not layers or not huge_pages_possible():
         return None
-    aliased = {p.data_ptr(): p for p in model.parameters()}
-    total = sum(-(-m.plain.numel() * m.plain.element_size() // ALIGN) * ALIGN for m in layers)
+    total = sum(-(-m.panels.numel() * m.panels.element_size() // ALIGN) * ALIGN for m in layers)
     arena = HugePageArena(total)
-    with torch.no_grad():
-        for m in layers:
-            old = m.plain
-            m.plain = arena.copy(old)
-            param = aliased.get(old.data_ptr())
-            if param is not None and param.shape == old.shape and param.is_contiguous():
-                param.data = m.plain  # a tied embedding (or anything else) shares the copy
+    for m in layers:
+        m.panels = arena.copy(m.panels)
     _release_freed_memory()  # the weights' old copies (the allocator would keep them)
     logger.info("%d linear weights (%.0f MB) on transparent huge pages", len(layers),
                 total / 2**20)

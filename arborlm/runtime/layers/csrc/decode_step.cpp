@@ -1,9 +1,9 @@
 // A whole batch-1 decode step of a Llama-family model in one call: `arborlm::decode_step`.
 //
-// At batch 1 a step's arithmetic is the weights streaming through `row_gemv`; what is left is
+// At batch 1 a step's arithmetic is the weights streaming through `panel_linear`; what is left is
 // the glue between the 8-40 layers' kernels. Compiled by Inductor, that glue is ~40 operator
 // calls through the dispatcher and a graph wrapper around them: 0.3-0.45 ms a step on the
-// 2-core development machine against 1.2 ms of `row_gemv`s (32M bfloat16). Here the layers run
+// 2-core development machine against 1.2 ms of linears (32M bfloat16). Here the layers run
 // in a C++ loop that calls the kernels directly and does the small elementwise steps inline.
 //
 // The arithmetic is the eager model's, op for op and rounding for rounding (`models/llama.py`,
@@ -14,7 +14,8 @@
 //
 // Weights per layer, in this order (`Tensor?[]`; a missing bias is None): input norm, qkv,
 // qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias, down, down bias; then the
-// embedding, the final norm and the head.
+// embedding, the final norm and the head. The linears are `pack_panels` layouts, their biases
+// float32.
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -33,6 +34,28 @@
 namespace {
 
 constexpr int64_t kPerLayer = 10;
+
+// x [1, in] times a linear's panels (+ its float32 bias) -> [1, out].
+at::Tensor linear(const at::Tensor& x, const at::Tensor& panels,
+                  const std::optional<at::Tensor>& bias, int64_t out) {
+  at::Tensor y = at::empty({1, out}, x.options());
+  arborlm_cpu::panel_linear_out(x, panels, bias ? bias->data_ptr<float>() : nullptr, y);
+  return y;
+}
+
+// Whether `panels` hold a linear from `in` to `out` in `dtype` (`pack_panels`' layout).
+void check_linear(const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                  at::ScalarType dtype, int64_t in, int64_t out, int64_t index) {
+  const bool f32 = dtype == at::kFloat;
+  const bool ok = panels.scalar_type() == dtype && panels.is_contiguous() &&
+                  panels.dim() == (f32 ? 3 : 4) && panels.size(0) == (out + 31) / 32 &&
+                  panels.size(1) == (f32 ? in : (in + 1) / 2) && panels.size(2) == 32;
+  TORCH_CHECK(ok, "decode_step: weight ", index, " must be the panels of a ", in, " -> ", out,
+              " linear in ", dtype, ", got ", panels.scalar_type(), " ", panels.sizes());
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                        bias->dim() == 1 && bias->size(0) == out),
+              "decode_step: bias ", index + 1, " must be float32 [", out, "]");
+}
 
 inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -96,7 +119,7 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
                 const std::vector<std::optional<at::Tensor>>& w,
                 const std::vector<at::Tensor>& k_pool, const std::vector<at::Tensor>& v_pool,
                 const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
-                double scale, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                double scale, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter) {
   const int64_t layers = static_cast<int64_t>(k_pool.size());
   const at::Tensor& embed = *w[layers * kPerLayer];
   const at::Tensor& final_norm = *w[layers * kPerLayer + 1];
@@ -120,7 +143,7 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
     T* r = residual.data_ptr<T>();
     if (x.defined()) add_into(x.data_ptr<T>(), r, hidden);
     rms_norm(r, lw[0]->data_ptr<T>(), h.data_ptr<T>(), hidden, static_cast<float>(eps));
-    at::Tensor qkv = arborlm_cpu::row_gemv(h, *lw[1], lw[2]);  // [1, q + 2 kv]
+    at::Tensor qkv = linear(h, *lw[1], lw[2], q_size + 2 * kv_size);
     T* q = qkv.data_ptr<T>();
     rotate(q, cos, sin, heads + kv_heads, head_dim);  // q and k: one rotation
     std::memcpy(k_pool[l].data_ptr<T>() + where * kv_size, q + q_size, kv_size * sizeof(T));
@@ -129,19 +152,18 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
     at::Tensor attn = arborlm_cpu::decode_attention_paged(
         qkv.narrow(1, 0, q_size).view({1, heads, head_dim}), k_pool[l], v_pool[l], slots, lens,
         scale);
-    at::Tensor o = arborlm_cpu::row_gemv(attn.view({1, q_size}), *lw[3], lw[4]);
+    at::Tensor o = linear(attn.view({1, q_size}), *lw[3], lw[4], hidden);
     add_into(o.data_ptr<T>(), r, hidden);
     rms_norm(r, lw[5]->data_ptr<T>(), h.data_ptr<T>(), hidden, static_cast<float>(eps));
-    at::Tensor gate_up = arborlm_cpu::row_gemv(h, *lw[6], lw[7]);
-    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor gate_up = linear(h, *lw[6], lw[7], 2 * inter);
     at::Tensor act = at::empty({1, inter}, opts);
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), inter);
-    x = arborlm_cpu::row_gemv(act, *lw[8], lw[9]);
+    x = linear(act, *lw[8], lw[9], hidden);
   }
   T* r = residual.data_ptr<T>();
   if (x.defined()) add_into(x.data_ptr<T>(), r, hidden);
   rms_norm(r, final_norm.data_ptr<T>(), h.data_ptr<T>(), hidden, static_cast<float>(eps));
-  return arborlm_cpu::row_gemv(h, head, std::nullopt).to(at::kFloat);  // [1, vocab]
+  return linear(h, head, std::nullopt, embed.size(0)).to(at::kFloat);  // [1, vocab]
 }
 
 at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
@@ -149,7 +171,8 @@ at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
                        const c10::List<std::optional<at::Tensor>>& weights,
                        at::TensorList k_pool, at::TensorList v_pool,
                        const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
-                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t intermediate) {
   const int64_t layers = static_cast<int64_t>(k_pool.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_pool.size()) == layers,
               "decode_step: one K and one V pool per layer expected");
@@ -187,12 +210,24 @@ at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
   TORCH_CHECK(where >= 0 && where < kp[0].size(0), "decode_step: slot ", where,
               " outside the pool");
   const at::ScalarType dtype = w[layers * kPerLayer]->scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "decode_step: float32 or bfloat16 only, got ", dtype);
+  const int64_t hidden = w[layers * kPerLayer]->size(1), vocab = w[layers * kPerLayer]->size(0);
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t i = l * kPerLayer;
+    check_linear(*w[i + 1], w[i + 2], dtype, hidden, q_size + 2 * kv_size, i + 1);
+    check_linear(*w[i + 3], w[i + 4], dtype, q_size, hidden, i + 3);
+    check_linear(*w[i + 6], w[i + 7], dtype, hidden, 2 * intermediate, i + 6);
+    check_linear(*w[i + 8], w[i + 9], dtype, intermediate, hidden, i + 8);
+  }
+  check_linear(*w[layers * kPerLayer + 2], std::nullopt, dtype, hidden, vocab,
+               layers * kPerLayer + 2);
   if (dtype == at::kFloat)
     return step<float>(token, position, slot, slots, lens, w, kp, vp, cos_table, sin_table, eps,
-                       scale, heads, kv_heads, head_dim);
-  TORCH_CHECK(dtype == at::kBFloat16, "decode_step: float32 or bfloat16 only, got ", dtype);
+                       scale, heads, kv_heads, head_dim, intermediate);
   return step<c10::BFloat16>(token, position, slot, slots, lens, w, kp, vp, cos_table,
-                             sin_table, eps, scale, heads, kv_heads, head_dim);
+                             sin_table, eps, scale, heads, kv_heads, head_dim, intermediate);
 }
 
 }  // namespace
@@ -200,8 +235,8 @@ at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
 TORCH_LIBRARY_FRAGMENT(arborlm, m) {
   m.def("decode_step(Tensor token, Tensor position, Tensor slot, Tensor slots, Tensor lens, "
         "Tensor?[] weights, Tensor(a!)[] k_pool, Tensor(b!)[] v_pool, Tensor cos_table, "
-        "Tensor sin_table, float eps, float scale, int heads, int kv_heads, int head_dim) -> "
-        "Tensor");
+        "Tensor sin_table, float eps, float scale, int heads, int kv_heads, int head_dim, "
+        "int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("decode_step", &decode_step); }

@@ -8,9 +8,11 @@
 
 namespace arborlm_cpu {
 
-// row_gemv.cpp: x [1, in] times weight [out, in] (+ bias [out]) -> [1, out] in x's dtype.
-at::Tensor row_gemv(const at::Tensor& x, const at::Tensor& weight,
-                    const std::optional<at::Tensor>& bias);
+// panel_gemm.cpp: weight [out, in] as column panels, and x [rows, in] times them (+ bias, float32
+// [out] or null) into y [rows, out] (rows contiguous, y's row stride free), in x's dtype.
+at::Tensor pack_panels(const at::Tensor& weight);
+void panel_linear_out(const at::Tensor& x, const at::Tensor& panels, const float* bias,
+                      at::Tensor& y);
 
 // decode_attention.cpp: q [B, H, D] over pool rows slots[b, :lens[b]] of k/v_pool [S, Hkv, D].
 at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
