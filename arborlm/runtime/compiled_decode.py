@@ -18,12 +18,13 @@ the CPU attention kernel, sequences longer than `COMPILED_MAX_SEQ_LEN` run eager
 (`ModelRunner` asks `can_run`); so do decode steps on devices other than CPU, where CUDA graphs
 serve instead.
 
-Batch-1 steps of Llama-family models without q/k norms (Llama, Llama 3, Mistral, Qwen2) skip
-the graph where ArborLM's CPU kernels run: `FusedDecodeStep` calls `arborlm::decode_step`, the
-whole step in one C++ call over the same kernels with the eager model's arithmetic.
-`benchmarks/cpu_decode_step.py` alternates the two in one engine; the graph's ms/token over the
-fused step's (medians of 9 rounds, 2-core machine): 32M float32 1.050, bfloat16 1.057, 125M
-float32 1.096.
+Steps of Llama-family models without q/k norms (Llama, Llama 3, Mistral, Qwen2) skip the graph
+where ArborLM's CPU kernels run: `FusedDecodeStep` calls `arborlm::decode_step`, the whole step
+in one C++ call over the same kernels with the eager model's arithmetic.
+`benchmarks/cpu_decode_step.py` alternates the two in one engine; the graph's ms per step over
+the fused step's (2-core machine; batch 1, medians of 9 rounds, measured before the linears
+moved to the panel kernel: 32M float32 1.050, bfloat16 1.057, 125M float32 1.096; 32 requests,
+5 rounds: 32M float32 1.093, bfloat16 1.170, 125M float32 1.008).
 
 After the warm-up, steps skip Dynamo's guards: the code Dynamo generated for each graph (caught
 with a bytecode hook, as vLLM's compile wrapper does) is called directly, the graph picked by
@@ -119,7 +120,7 @@ class CompiledDecodeRunner:
         if len(captured) == len(sizes):  # one graph per size (else every step goes via Dynamo)
             self._direct = {bs: FunctionType(code, globals(), "_decode_step")
                             for bs, code in zip(sizes, captured)}
-        # Batch 1 runs as one C++ call where the model allows (`FusedDecodeStep`).
+        # Steps run as one C++ call where the model allows (`FusedDecodeStep`).
         if self.attention.kernel:
             self.fused = FusedDecodeStep.of(runner)
 
@@ -140,7 +141,7 @@ class CompiledDecodeRunner:
         """Logits `[B, vocab]` float32 of a decode batch (`can_run` must hold)."""
         batch.attn_metadata = compiled_decode_metadata(batch)
         batch.logits_indices = None
-        if batch.batch_size == 1 and self.fused is not None:
+        if self.fused is not None:
             return self.fused(batch)
         return self._run(batch)
 
@@ -174,9 +175,10 @@ class CompiledDecodeRunner:
 
 
 class FusedDecodeStep:
-    """A batch-1 decode step of a Llama-family model (no q/k norm) as one C++ call,
+    """A decode step of a Llama-family model (no q/k norm) as one C++ call,
     `arborlm::decode_step`: the same kernels and the eager model's arithmetic, without the
-    compiled graph's ~40 dispatcher calls (see `csrc/decode_step.cpp`)."""
+    compiled graph's ~40 dispatcher calls and its elementwise kernels (see
+    `csrc/decode_step.cpp`)."""
 
     def __init__(self, runner: ModelRunner, weights: list[torch.Tensor | None], intermediate: int):
         model = runner.model
@@ -220,7 +222,7 @@ class FusedDecodeStep:
         return cls(runner, weights, model.model.layers[0].mlp.down_proj.in_features)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[1, vocab]` float32 of a one-request decode batch (metadata built)."""
+        """Logits `[B, vocab]` float32 of a decode batch (metadata built)."""
         meta: CompiledDecodeMeta = batch.attn_metadata
         scale, heads, kv_heads, head_dim = self.shape
         return torch.ops.arborlm.decode_step(

@@ -1,12 +1,12 @@
-"""`FusedDecodeStep`: a batch-1 decode step of a Llama-family model as one C++ call
+"""`FusedDecodeStep`: a decode step of a Llama-family model as one C++ call
 (`arborlm::decode_step`), used by compiled decode where ArborLM's CPU kernels run.
 
 For each architecture it serves (Llama, Llama 3 rope scaling, Mistral, Qwen2 with q/k/v biases),
-in float32 and bfloat16, a request decoded by the fused step must give the same greedy tokens
-as the eager engine, with output logprobs equal to rounding (its arithmetic is the eager
-model's, op for op), and in float32 the same tokens as `transformers`; every batch-1 decode
-step must go through it. Qwen3's q/k norms are not fused: that model keeps the compiled graph.
-Bad arguments to the operator are clear errors.
+in float32 and bfloat16, three requests decoded together by the fused step (the batch shrinking
+from 3 to 1 as they finish) must give the same greedy tokens as the eager engine, with output
+logprobs equal to rounding (its arithmetic is the eager model's, op for op), and in float32 the
+same tokens as `transformers`; every decode step must go through it. Qwen3's q/k norms are not
+fused: that model keeps the compiled graph. Bad arguments to the operator are clear errors.
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ pytestmark = pytest.mark.skipif(
     reason="ArborLM's CPU kernels do not run on this machine")
 
 PROMPT = [(11 * i) % 300 + 6 for i in range(13)]
+PROMPTS = [PROMPT, [(7 * i) % 250 + 9 for i in range(5)], [(5 * i) % 280 + 7 for i in range(21)]]
+NEW = [12, 6, 9]
 
 
 def _decode(engine: Engine) -> dict:
     return engine.generate(input_ids=PROMPT, sampling_params=dict(GREEDY, max_new_tokens=12),
                            return_logprob=True)
+
+
+def _decode_together(engine: Engine) -> list[dict]:
+    return engine.generate(input_ids=PROMPTS, sampling_params=[
+        dict(GREEDY, max_new_tokens=n) for n in NEW], return_logprob=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -44,17 +51,19 @@ def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, 
                         lambda self, batch: calls.append(batch.batch_size) or call(self, batch))
     with Engine(path, dtype=dtype, enable_torch_compile=True) as engine:
         assert engine.scheduler.runner.compiled.fused is not None
-        fused = _decode(engine)
-    assert calls == [1] * 11  # every decode step after the prefill's token
+        fused = _decode_together(engine)
+    # Every decode step after the prefill's token, at batch sizes 3, 2 and 1.
+    assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
     with Engine(path, dtype=dtype) as engine:
-        eager = _decode(engine)
-    assert fused["output_ids"] == eager["output_ids"]
-    got = [entry[0] for entry in fused["meta_info"]["output_token_logprobs"]]
-    want = [entry[0] for entry in eager["meta_info"]["output_token_logprobs"]]
+        eager = _decode_together(engine)
     tol = 1e-4 if dtype == "float32" else 2e-2
-    assert got == pytest.approx(want, abs=tol)
-    if dtype == "float32":
-        assert fused["output_ids"] == hf_greedy(path, PROMPT, 12)
+    for prompt, n, f, e in zip(PROMPTS, NEW, fused, eager):
+        assert f["output_ids"] == e["output_ids"]
+        got = [entry[0] for entry in f["meta_info"]["output_token_logprobs"]]
+        want = [entry[0] for entry in e["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(want, abs=tol)
+        if dtype == "float32":
+            assert f["output_ids"] == hf_greedy(path, prompt, n)
 
 
 def test_q_k_norms_keep_the_compiled_graph(make_tiny_model):
@@ -84,3 +93,14 @@ def test_bad_arguments_name_the_problem():
     with pytest.raises(RuntimeError, match="weight 1 must be the panels of a 16 -> 48 linear"):
         torch.ops.arborlm.decode_step(one, one, one, one.view(1, 1), one, layer + tail, pool,
                                       pool, table, table, 1e-6, 0.25, 1, 1, 16, 32)
+    layer[1] = cpu_kernels.pack_panels(torch.zeros(48, hidden))
+    two = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="one int64 per request"):
+        torch.ops.arborlm.decode_step(two, one, one, one.view(1, 1), one, layer + tail, pool,
+                                      pool, table, table, 1e-6, 0.25, 1, 1, 16, 32)
+    with pytest.raises(RuntimeError, match=r"slots must be \[2, W\]"):
+        torch.ops.arborlm.decode_step(two, two, two, one.view(1, 1), two, layer + tail, pool,
+                                      pool, table, table, 1e-6, 0.25, 1, 1, 16, 32)
+    with pytest.raises(RuntimeError, match="token 10 outside the vocab"):
+        torch.ops.arborlm.decode_step(two + 10, two, two, two.view(2, 1), two, layer + tail,
+                                      pool, pool, table, table, 1e-6, 0.25, 1, 1, 16, 32)

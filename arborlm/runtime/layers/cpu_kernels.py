@@ -17,8 +17,8 @@ and SwiGLU, one pass over the activations each instead of ATen's six and three (
 `csrc/elementwise.cpp`). `argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
 compares element by element: 32 rows of 8,192 logits ~115 us, here ~16 us).
 
-`decode_step`: a whole batch-1 decode step of a Llama-family model in one call over these
-kernels (`csrc/decode_step.cpp`; `compiled_decode.FusedDecodeStep` calls it).
+`decode_step`: a whole decode step of a Llama-family model in one call over these kernels
+(`csrc/decode_step.cpp`; `compiled_decode.FusedDecodeStep` calls it).
 
 `packed_linear`: a linear through its oneDNN-packed weight, looked up by number, so that a
 compiled graph (which cannot hold the opaque packed tensor) can call it without a Python frame

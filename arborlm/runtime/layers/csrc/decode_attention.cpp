@@ -40,20 +40,13 @@
 namespace {
 
 using arborlm_cpu::exp16;
+using arborlm_cpu::load16;
 
 constexpr int64_t kMaxGroup = 16;    // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;
 // Fewest multiply-adds a thread is given: below this a thread's start-up outweighs its share.
 constexpr int64_t kMinWorkPerThread = 32 * 1024;
 
-// 16 float32 values from 16 float32 or bfloat16 (widened exactly: bf16 is float32's top half).
-__attribute__((target("avx512f"))) inline __m512 load16(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 inline void store_one(float* p, float x) { *p = x; }
 inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // nearest even

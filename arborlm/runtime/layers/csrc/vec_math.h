@@ -1,10 +1,21 @@
-// Vector math shared by ArborLM's CPU kernels (AVX-512, per-function target attributes).
+// Vector math shared by ArborLM's CPU kernels (AVX-512, per-function target attributes):
+// widening loads, exp and silu.
 
 #pragma once
 
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 namespace arborlm_cpu {
+
+// 16 float32 values from 16 float32 or bfloat16 (widened exactly: bf16 is float32's top half).
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 // e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
 // error ~1e-7), times 2^n. Inputs below -87.3 give 0 or a denormal and above 88.7 infinity,
