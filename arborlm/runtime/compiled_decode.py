@@ -22,9 +22,8 @@ Steps of Llama-family models without q/k norms (Llama, Llama 3, Mistral, Qwen2) 
 where ArborLM's CPU kernels run: `FusedDecodeStep` calls `arborlm::decode_step`, the whole step
 in one C++ call over the same kernels with the eager model's arithmetic.
 `benchmarks/cpu_decode_step.py` alternates the two in one engine; the graph's ms per step over
-the fused step's (2-core machine; batch 1, medians of 9 rounds, measured before the linears
-moved to the panel kernel: 32M float32 1.050, bfloat16 1.057, 125M float32 1.096; 32 requests,
-5 rounds: 32M float32 1.093, bfloat16 1.170, 125M float32 1.008).
+the fused step's (2-core machine, medians of 7 rounds): batch 1, 32M float32 1.080, bfloat16
+1.664, 125M float32 1.103; 32 requests, 32M float32 1.120, bfloat16 1.250, 125M float32 1.031.
 
 After the warm-up, steps skip Dynamo's guards: the code Dynamo generated for each graph (caught
 with a bytecode hook, as vLLM's compile wrapper does) is called directly, the graph picked by
