@@ -1,8 +1,8 @@
 """`FusedDecodeStep`: a decode step of a Llama-family model as one C++ call
 (`arborlm::decode_step`), used by compiled decode where ArborLM's CPU kernels run.
 
-For each architecture it serves (Llama, Llama 3 rope scaling, Mistral, Qwen2 with q/k/v biases),
-in float32 and bfloat16, three requests decoded together by the fused step (the batch shrinking
+For each architecture it serves (Llama, Llama 3 rope scaling, Mistral, Qwen2 with q/k/v biases;
+head dims 16 and 32), in float32 and bfloat16, three requests decoded together by the fused step (the batch shrinking
 from 3 to 1 as they finish) must give the same greedy tokens as the eager engine, with output
 logprobs equal to rounding (its arithmetic is the eager model's, op for op), and in float32 the
 same tokens as `transformers`; every decode step must go through it. Qwen3's q/k norms are not
@@ -38,13 +38,19 @@ def _decode_together(engine: Engine) -> list[dict]:
         dict(GREEDY, max_new_tokens=n) for n in NEW], return_logprob=True)
 
 
+# Head dim 16 everywhere but the last case, whose 32 takes the vectorized rotary path.
+ARCHS = [("llama", {}), ("llama3", {}), ("mistral", {}), ("qwen2", {}),
+         ("llama", {"hidden_size": 128})]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2"])
-def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, dtype):
+@pytest.mark.parametrize("arch,overrides", ARCHS,
+                         ids=["llama", "llama3", "mistral", "qwen2", "llama-head-dim-32"])
+def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, overrides, dtype):
     if dtype == "bfloat16" and not cpu_kernels.available(torch.bfloat16):
         pytest.skip("this CPU lacks AVX512-BF16")
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # some packed, some not
-    path = str(make_tiny_model(arch))
+    path = str(make_tiny_model(arch, **overrides))
     calls = []
     call = compiled_decode.FusedDecodeStep.__call__
     monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",

@@ -12,7 +12,8 @@
 // as `transformers` computes it): residual adds in the activation dtype; RMSNorm in float32,
 // rounded, then times the weight and rounded again; rotary as `x * cos + swapped(x) * sin`
 // with each product and the sum rounded; SwiGLU as `silu(gate)` rounded, times `up`, rounded;
-// the linears and attention are ArborLM's kernels. In float32 every rounding is exact.
+// the linears and attention are ArborLM's kernels. In float32 every rounding is exact. (Sums,
+// RMSNorm's and the linears', run in their own orders.)
 //
 // Weights per layer, in this order (`Tensor?[]`; a missing bias is None): input norm, qkv,
 // qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias, down, down bias; then the
