@@ -4,9 +4,10 @@
 For each architecture it serves (Llama, Llama 3 rope scaling, Mistral, Qwen2 with q/k/v biases;
 head dims 16 and 32), in float32 and bfloat16, three requests decoded together by the fused step
 (the batch shrinking from 3 to 1 as they finish) must give the same greedy tokens as the eager
-engine, with output logprobs equal to rounding (its arithmetic is the eager model's, op for op), and in float32 the
-same tokens as `transformers`; every decode step must go through it. Qwen3's q/k norms are not
-fused: that model keeps the compiled graph. Bad arguments to the operator are clear errors.
+engine, with output logprobs equal to rounding (its arithmetic is the eager model's, op for op),
+and in float32 the same tokens as `transformers`; every decode step must go through it. Qwen3's
+q/k norms are not fused: that model keeps the compiled graph. Bad arguments to the operator are
+clear errors.
 """
 
 from __future__ import annotations
