@@ -172,11 +172,13 @@ class BatchTextOutput(_Message):
 
 
 class ErrorOutput(_Message):
-    """A request failed on its own (bad grammar, too long, sampling error); others go on."""
+    """A request failed on its own (bad grammar, too long, sampling error); others go on.
+    `param` names the offending field of an invalid request, where there is one."""
 
     rid: str
     message: str
     status_code: int = 400
+    param: str | None = None
 
 
 # --- child process -> parent, once at startup (and once more if it fails later) ----------------

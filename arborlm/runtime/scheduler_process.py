@@ -149,7 +149,8 @@ class SchedulerService:
             invalid = isinstance(e, InvalidRequestError)
             text = str(e) if invalid else f"{type(e).__name__}: {e}"
             self.send.put(ErrorOutput(rid=msg.rid, message=text,
-                                      status_code=400 if invalid else 500))
+                                      status_code=400 if invalid else 500,
+                                      param=e.param if invalid else None))
 
     # --- output -------------------------------------------------------------------------------
 

@@ -89,6 +89,7 @@ class _Sequence:
         self.finished = False
         self.detached = False  # the caller stopped listening; events are dropped
         self.delivered = False  # an event of this sequence has reached its caller
+        self.error_param: str | None = None  # the field a refusal names (`fail`)
 
     def add(self, out: BatchTextOutput, i: int) -> dict[str, Any] | None:
         """Apply entry `i` of `out`; return the event to deliver (None: nothing to say yet)."""
@@ -116,11 +117,13 @@ class _Sequence:
             grammar = self.single.sampling_params.grammar
             if grammar is not None:
                 return GrammarError(reason["message"], param=grammar[0])
-            return InvalidRequestError(reason["message"])
+            return InvalidRequestError(reason["message"], param=self.error_param)
         self.delivered = True
         return self.index, event
 
-    def fail(self, message: str, status_code: int) -> dict[str, Any] | None:
+    def fail(self, message: str, status_code: int,
+             param: str | None = None) -> dict[str, Any] | None:
+        self.error_param = param
         self._finish({"type": "abort", "message": message, "status_code": status_code})
         return self.event()
 
@@ -380,7 +383,7 @@ class TokenizerManager:
             seq = self._seqs.pop(err.rid, None)
             if seq is None:
                 return
-            event = seq.fail(err.message, err.status_code)
+            event = seq.fail(err.message, err.status_code, err.param)
             if self._error is None:  # it may still run in the scheduler (a detokenizer error)
                 self._send.put(AbortReq(rid=err.rid))
         if event is not None and not seq.detached:

@@ -23,11 +23,18 @@ import pytest
 
 from arborlm import Engine
 from arborlm.errors import EngineDeadError, GrammarError, InvalidRequestError
+from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.detokenizer import decode_text
 from arborlm.runtime.detokenizer_process import DetokenizerService
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.runtime.ipc import IpcAddresses
-from arborlm.runtime.messages import BatchTokenOutput, DecodeOptions, ErrorOutput
+from arborlm.runtime.messages import (
+    BatchTokenOutput,
+    DecodeOptions,
+    ErrorOutput,
+    TokenizedGenerateReq,
+)
+from arborlm.runtime.scheduler_process import SchedulerService
 from arborlm.runtime.zmq_queues import PullQueue
 from tests.conftest import REPO_ROOT
 
@@ -313,6 +320,26 @@ def test_detokenizer_failure_ends_only_that_request(llama_path):
     assert [m.rids for m in msgs[1:]] == [["good"], ["good"]]
     assert msgs[2].texts == [decode_text(service.tokenizer, [40, 41])]
     assert msgs[2].finished_reasons == [done]
+
+
+def test_scheduler_refusal_names_the_field(llama_path):
+    """A request the scheduler refuses as invalid fails alone with a 400 that names the
+    offending field (the service's handler, run here without a process)."""
+    addrs = IpcAddresses.create()
+    to_detok = PullQueue(addrs.scheduler_to_detokenizer, bind=True)
+    service = SchedulerService(EngineArgs(model_path=llama_path, dtype="float32"), addrs)
+    try:
+        service._add(TokenizedGenerateReq(rid="bad", input_ids=[5, 6, 7],
+                                          sampling_params={"top_p": 0.0}))
+        msg = to_detok.get(timeout=5)
+        assert service.live == {}
+    finally:
+        service.recv.close()
+        service.send.close()
+        to_detok.close()
+        addrs.cleanup()
+    assert isinstance(msg, ErrorOutput) and msg.rid == "bad"
+    assert (msg.status_code, msg.param) == (400, "top_p") and "top_p" in msg.message
 
 
 # --- failures and cleanup ----------------------------------------------------------------------

@@ -126,15 +126,18 @@ def test_error_output_ends_the_request_and_aborts_it(pipe):
     assert pipe.received() == AbortReq(rid="e1")
 
 
-@pytest.mark.parametrize("params,error", [
-    ({}, InvalidRequestError), ({"regex": "("}, GrammarError)])
-def test_refusal_before_any_output_raises(pipe, params, error):
-    """A 400 from the scheduler before anything was generated raises, as in-process."""
+@pytest.mark.parametrize("params,error,param,expected", [
+    ({}, InvalidRequestError, None, None),
+    ({}, InvalidRequestError, "top_k", "top_k"),
+    ({"regex": "("}, GrammarError, None, "regex")])
+def test_refusal_before_any_output_raises(pipe, params, error, param, expected):
+    """A 400 from the scheduler before anything was generated raises, as in-process, naming
+    the field the scheduler named."""
     req = GenerateRequest(text="hi", rid="e2", sampling_params=params)
-    refusal = ErrorOutput(rid="e2", message="refused", status_code=400)
+    refusal = ErrorOutput(rid="e2", message="refused", status_code=400, param=param)
     with pytest.raises(error, match="refused") as info:
         _answer_with_error(pipe, req, refusal)
-    assert info.value.param == ("regex" if params else None)
+    assert info.value.param == expected
 
 
 def test_closing_the_stream_early_aborts_the_request(pipe):
