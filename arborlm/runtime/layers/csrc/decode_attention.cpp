@@ -47,7 +47,6 @@ constexpr int64_t kMaxHeadDim = 256;
 // Fewest multiply-adds a thread is given: below this a thread's start-up outweighs its share.
 constexpr int64_t kMinWorkPerThread = 32 * 1024;
 
-
 inline void store_one(float* p, float x) { *p = x; }
 inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // nearest even
 
