@@ -20,7 +20,9 @@ serve instead.
 
 Steps of Llama-family models without q/k norms (Llama, Llama 3, Mistral, Qwen2) skip the graph
 where ArborLM's CPU kernels run: `FusedDecodeStep` calls `arborlm::decode_step`, the whole step
-in one C++ call over the same kernels with the eager model's arithmetic.
+in one C++ call over the same kernels with the eager model's arithmetic. It needs no compiler,
+so engines without `enable_torch_compile` decode through it too (`create_fused_decode_step`;
+`ModelRunner` runs it for steps that `decode_fits`).
 `benchmarks/cpu_decode_step.py` alternates the two in one engine; the graph's ms per step over
 the fused step's (2-core machine, medians of 7 rounds): batch 1, 32M float32 1.080, bfloat16
 1.664, 125M float32 1.103; 32 requests, 32M float32 1.120, bfloat16 1.250, 125M float32 1.031.
@@ -120,28 +122,22 @@ class CompiledDecodeRunner:
             self._direct = {bs: FunctionType(code, globals(), "_decode_step")
                             for bs, code in zip(sizes, captured)}
         # Steps run as one C++ call where the model allows (`FusedDecodeStep`).
-        if self.attention.kernel:
+        if self.attention.kernel and not runner.config.args.disable_fused_decode:
             self.fused = FusedDecodeStep.of(runner)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode step of at most `max_bs` requests, whose logits are wanted for every row,
-        sharing no cached prefix; with the traced attention, none longer than
-        `COMPILED_MAX_SEQ_LEN`."""
-        if not batch.mode.is_decode or batch.batch_size > self.max_bs:
+        """A decode step that `decode_fits` `max_bs`; with the traced attention, none longer
+        than `COMPILED_MAX_SEQ_LEN`."""
+        if not decode_fits(batch, self.max_bs):
             return False
-        if not self.attention.kernel and max(batch.seq_lens_cpu) > COMPILED_MAX_SEQ_LEN:
-            return False
-        if batch.batch_size > 1 and _shares_a_prefix(batch):
-            return False
-        rows = batch.logits_indices
-        return rows is None or rows.numel() == batch.batch_size
+        return self.attention.kernel or max(batch.seq_lens_cpu) <= COMPILED_MAX_SEQ_LEN
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[B, vocab]` float32 of a decode batch (`can_run` must hold)."""
+        if self.fused is not None:
+            return self.fused.run(batch)
         batch.attn_metadata = compiled_decode_metadata(batch)
         batch.logits_indices = None
-        if self.fused is not None:
-            return self.fused(batch)
         return self._run(batch)
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -220,6 +216,12 @@ class FusedDecodeStep:
         weights += [model.model.embed_tokens.weight, model.model.norm.weight, head[0]]
         return cls(runner, weights, model.model.layers[0].mlp.down_proj.in_features)
 
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[B, vocab]` float32 of a decode batch that `decode_fits`."""
+        batch.attn_metadata = compiled_decode_metadata(batch)
+        batch.logits_indices = None
+        return self(batch)
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[B, vocab]` float32 of a decode batch (metadata built)."""
         meta: CompiledDecodeMeta = batch.attn_metadata
@@ -244,6 +246,18 @@ def _panels(linear: nn.Module, dtype: torch.dtype
     if weight.dtype != dtype or weight.device.type != "cpu":
         return None
     return cpu_kernels.pack_panels(weight), None if bias is None else bias.detach().float()
+
+
+def decode_fits(batch: ForwardBatch, max_bs: int) -> bool:
+    """A decode step of at most `max_bs` requests, whose logits are wanted for every row,
+    sharing no cached prefix (eager cascade attention reads a shared prefix once per step for
+    all its requests; the compiled and fused steps would read it once per request)."""
+    if not batch.mode.is_decode or batch.batch_size > max_bs:
+        return False
+    if batch.batch_size > 1 and _shares_a_prefix(batch):
+        return False
+    rows = batch.logits_indices
+    return rows is None or rows.numel() == batch.batch_size
 
 
 def _shares_a_prefix(batch: ForwardBatch) -> bool:
@@ -272,3 +286,16 @@ def create_compiled_decode_runner(runner: ModelRunner) -> CompiledDecodeRunner |
     logger.info("torch.compile decode on (batch sizes 1-%d), compiled in %.1f s", max_bs,
                 time.perf_counter() - start)
     return compiled
+
+
+def create_fused_decode_step(runner: ModelRunner) -> FusedDecodeStep | None:
+    """The fused decode step for an engine without `enable_torch_compile` (which holds its own):
+    on CPU, for the models and machines `FusedDecodeStep.of` takes. It needs no compiler, so
+    eager engines decode through it too; `ModelRunner` runs it for steps that `decode_fits`."""
+    args = runner.config.args
+    if args.enable_torch_compile or args.disable_fused_decode or runner.device != "cpu":
+        return None
+    fused = FusedDecodeStep.of(runner)
+    if fused is not None:
+        logger.info("decode steps run as one C++ call (arborlm::decode_step)")
+    return fused

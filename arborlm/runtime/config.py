@@ -81,6 +81,10 @@ class EngineArgs:
         "32M model on 2 cores, ms per step compiled vs eager: float32 4 requests 7.2 vs 8.2, "
         "32: 16.3 vs 17.7-24.2; bfloat16 4: 4.6 vs 7.9, 32: 10.1-13.1 vs 13.1-14.2.",
         default=32)
+    disable_fused_decode: bool = _doc(
+        "CPU: run decode steps through the model's modules (eagerly, or compiled with "
+        "enable_torch_compile) instead of ArborLM's fused C++ step, which otherwise serves "
+        "Llama, Llama 3, Mistral and Qwen2 models on AVX-512 CPUs.", default=False)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
     grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
                                 "xgrammar or outlines (a request may pick its own).",

@@ -17,7 +17,13 @@ import torch
 
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.attention.base import create_attention_backend
-from arborlm.runtime.compiled_decode import CompiledDecodeRunner, create_compiled_decode_runner
+from arborlm.runtime.compiled_decode import (
+    CompiledDecodeRunner,
+    FusedDecodeStep,
+    create_compiled_decode_runner,
+    create_fused_decode_step,
+    decode_fits,
+)
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from arborlm.runtime.forward_batch import ForwardBatch
@@ -79,6 +85,7 @@ class ModelRunner:
                     mc.dtype, config.attention_backend)
         self.graph_runner: CudaGraphRunner | None = create_cuda_graph_runner(self)
         self.compiled: CompiledDecodeRunner | None = create_compiled_decode_runner(self)
+        self.fused: FusedDecodeStep | None = create_fused_decode_step(self)
 
     def _pool_slots(self) -> int:
         args, mc = self.config.args, self.config.model
@@ -106,6 +113,8 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         if self.compiled is not None and self.compiled.can_run(batch):
             return self.compiled.forward(batch)
+        if self.fused is not None and decode_fits(batch, self.config.args.max_running_requests):
+            return self.fused.run(batch)
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)

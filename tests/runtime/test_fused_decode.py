@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from arborlm import Engine
-from arborlm.runtime import compiled_decode
+from arborlm.runtime import compiled_decode, model_runner
 from arborlm.runtime.layers import cpu_kernels, cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
@@ -62,8 +62,39 @@ def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, 
         fused = _decode_together(engine)
     # Every decode step after the prefill's token, at batch sizes 3, 2 and 1.
     assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
+    monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
+    with Engine(path, dtype=dtype) as engine:  # eager, without the fused step
+        assert engine.scheduler.runner.fused is None
+        eager = _decode_together(engine)
+    _check_equal(path, dtype, fused, eager)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch,overrides", [ARCHS[0], ARCHS[-1]],
+                         ids=["llama", "llama-head-dim-32"])
+def test_eager_engines_decode_through_the_fused_step(make_tiny_model, monkeypatch, arch,
+                                                     overrides, dtype):
+    """Without `enable_torch_compile` the fused step needs no compiler: the engine's decode
+    steps go through it, with the eager model's results."""
+    if dtype == "bfloat16" and not cpu_kernels.available(torch.bfloat16):
+        pytest.skip("this CPU lacks AVX512-BF16")
+    path = str(make_tiny_model(arch, **overrides))
+    calls = []
+    call = compiled_decode.FusedDecodeStep.__call__
+    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
+                        lambda self, batch: calls.append(batch.batch_size) or call(self, batch))
+    with Engine(path, dtype=dtype) as engine:
+        assert engine.scheduler.runner.compiled is None
+        assert engine.scheduler.runner.fused is not None
+        fused = _decode_together(engine)
+    assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
+    monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
     with Engine(path, dtype=dtype) as engine:
         eager = _decode_together(engine)
+    _check_equal(path, dtype, fused, eager)
+
+
+def _check_equal(path: str, dtype: str, fused: list[dict], eager: list[dict]) -> None:
     tol = 1e-4 if dtype == "float32" else 2e-2
     for prompt, n, f, e in zip(PROMPTS, NEW, fused, eager):
         assert f["output_ids"] == e["output_ids"]
