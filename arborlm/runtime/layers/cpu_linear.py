@@ -103,13 +103,12 @@ class PackedLinear(nn.Module):
         if self.panels is not None and rows <= PANEL_MAX_ROWS:
             return cpu_kernels.panel_linear(x, self.panels, self.out_features, self.bias32)
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
-            if rows == 1 and self.plain is not None and not self.transposed:
+            if rows == 1 and not self.transposed:  # no panels: a plain copy
                 return row_linear(x, self.plain, self.bias)
             if self.native:  # an opaque call with the packed weight
                 return cpu_kernels.packed_linear(x, self.handle)
             return packed_linear_py(x, self.handle)
-        single_gemv = self.plain is not None and self.transposed and rows == 1 \
-            and torch.get_num_threads() == 1
+        single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
         if single_gemv:
             return self._plain(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

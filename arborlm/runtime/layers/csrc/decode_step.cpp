@@ -49,12 +49,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels,
 // Whether `panels` hold a linear from `in` to `out` in `dtype` (`pack_panels`' layout).
 void check_linear(const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                   at::ScalarType dtype, int64_t in, int64_t out, int64_t index) {
-  const bool f32 = dtype == at::kFloat;
-  const bool ok = panels.scalar_type() == dtype && panels.is_contiguous() &&
-                  panels.dim() == (f32 ? 3 : 4) && panels.size(0) == (out + 31) / 32 &&
-                  panels.size(1) == (f32 ? in : (in + 1) / 2) && panels.size(2) == 32;
-  TORCH_CHECK(ok, "decode_step: weight ", index, " must be the panels of a ", in, " -> ", out,
-              " linear in ", dtype, ", got ", panels.scalar_type(), " ", panels.sizes());
+  TORCH_CHECK(arborlm_cpu::panels_hold(panels, dtype, in, out), "decode_step: weight ", index,
+              " must be the panels of a ", in, " -> ", out, " linear in ", dtype, ", got ",
+              panels.scalar_type(), " ", panels.sizes());
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->dim() == 1 && bias->size(0) == out),
               "decode_step: bias ", index + 1, " must be float32 [", out, "]");

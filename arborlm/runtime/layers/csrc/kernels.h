@@ -8,9 +8,10 @@
 
 namespace arborlm_cpu {
 
-// panel_gemm.cpp: weight [out, in] as column panels, and x [rows, in] times them (+ bias, float32
-// [out] or null) into y [rows, out] (rows contiguous, y's row stride free), in x's dtype.
-at::Tensor pack_panels(const at::Tensor& weight);
+// panel_gemm.cpp: whether `panels` are `pack_panels`' layout of an in -> out weight in dtype;
+// x [rows, in] times them (+ bias, float32 [out] or null) into y [rows, out] (rows contiguous,
+// y's row stride free), in x's dtype.
+bool panels_hold(const at::Tensor& panels, at::ScalarType dtype, int64_t in, int64_t out);
 void panel_linear_out(const at::Tensor& x, const at::Tensor& panels, const float* bias,
                       at::Tensor& y);
 

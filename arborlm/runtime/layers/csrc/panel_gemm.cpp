@@ -185,6 +185,12 @@ bool is_panels_of(const at::Tensor& panels, at::ScalarType dtype) {
 
 namespace arborlm_cpu {
 
+bool panels_hold(const at::Tensor& panels, at::ScalarType dtype, int64_t in, int64_t out) {
+  return is_panels_of(panels, dtype) &&
+         panels.size(1) == (dtype == at::kFloat ? in : (in + 1) / 2) &&
+         panels.size(0) == (out + kCols - 1) / kCols;
+}
+
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2,
               "pack_panels: weight must be a CPU matrix [out, in], got ", weight.sizes());
