@@ -13,6 +13,9 @@ each) and prints both medians and the peer/ours ratio (above 1: ours is faster):
   decode attention batch 32, 8 heads over 4 KV heads, ~96 of 192 keys per request (the decode
                    workspace's padded layout): `decode_attention` against two batched matmuls
                    around a float32 softmax (the path it replaced)
+  causal attention a 512-token prompt's attention, 8 heads over 4 KV heads (one layer):
+                   `causal_attention` against `scaled_dot_product_attention(is_causal=True)`
+                   (ATen's CPU flash kernel, what prefill called before)
   add_rms_norm     a 512-token prefill's residual add + RMSNorm, float32: one pass against
                    `residual.add_(x)` + `F.rms_norm`
   silu_and_mul     a 512-token prefill's SwiGLU, float32: one pass against `F.silu(g) * u`
@@ -137,6 +140,23 @@ def attention_row(dtype: torch.dtype, repeats: int, calls: int) -> tuple:
             f"{a * 1e6:.0f} us", f"bmm-softmax-bmm {p * 1e6:.0f} us", f"{r:.2f}x")
 
 
+def causal_row(dtype: torch.dtype, repeats: int, calls: int, tokens: int = 512) -> tuple:
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    scale = HEAD_DIM ** -0.5
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    a, p, r = compare(lambda: cpu_kernels.causal_attention(q, k, v, scale),
+                      lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                             scale=scale, enable_gqa=True),
+                      repeats, calls)
+    flops = 4 * HEADS * HEAD_DIM * tokens * (tokens + 1) / 2
+    return ("causal attention", str(dtype).removeprefix("torch."), f"{tokens} tokens",
+            f"{a * 1e3:.2f} ms ({flops / a / 1e9:.0f} GFLOP/s)",
+            f"SDPA {p * 1e3:.2f} ms ({flops / p / 1e9:.0f})", f"{r:.2f}x")
+
+
 def elementwise_rows(repeats: int, calls: int) -> list[tuple]:
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(512, HIDDEN, generator=gen)
@@ -197,6 +217,7 @@ def main() -> None:
             if cpu_kernels.available(dtype):
                 rows += panel_rows(dtype, args.repeats, args.calls)
             rows.append(attention_row(dtype, args.repeats, args.calls))
+            rows.append(causal_row(dtype, args.repeats, max(1, args.calls // 4)))
         rows += elementwise_rows(args.repeats, args.calls)
         rows += argmax_rows(args.repeats, args.calls)
         packed = packed_linear_row(args.repeats, args.calls)

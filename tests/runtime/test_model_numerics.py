@@ -27,7 +27,12 @@ from arborlm.runtime.models.registry import load_model
 from tests.runtime.model_harness import ModelHarness
 
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
-BF16_PREFILL_ATOL = 0.02
+# bfloat16 logits of the tiny models against transformers' bfloat16 ones: both round every op
+# to bfloat16 but attend with different kernels (prefill on a CPU with AVX-512: ArborLM's causal
+# kernel, one bfloat16 ulp off ATen's flash kernel in ~2% of outputs; decode: ArborLM's decode
+# kernels), and the random weights amplify those ulps to 0.05-0.09 in the logits, against
+# 0.14-0.37 between transformers' bfloat16 and float32 logits.
+BF16_PREFILL_ATOL = 0.1
 BF16_DECODE_ATOL = 0.2
 
 
@@ -130,6 +135,9 @@ def test_bfloat16_close_to_transformers_bfloat16(arch: str) -> None:
     ref = _reference(arch, ids, "bfloat16")
     torch.testing.assert_close(got[:20], ref[:20], atol=BF16_PREFILL_ATOL, rtol=0)
     torch.testing.assert_close(got[20:], ref[20:], atol=BF16_DECODE_ATOL, rtol=0)
+    # ... and as close to the float32 logits as transformers' own bfloat16 ones are.
+    exact = _reference(arch, ids, "float32")
+    assert (got - exact).abs().max() <= 1.25 * (ref - exact).abs().max()
 
 
 @pytest.mark.parametrize(("arch", "overrides"), [

@@ -2,9 +2,11 @@
 
 Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
 
-- Extend attends request by request with `scaled_dot_product_attention`. A request with no
-  cached prefix attends to its own new K/V straight from the projection (no read of the pool);
-  one on a prefix gathers its slots once per layer. On a CPU, requests of one extend batch on
+- Extend attends request by request: on a CPU with AVX-512, with ArborLM's causal kernel
+  (`cpu_kernels.causal_attention`, ~2x ATen's flash kernel on a 512-token prompt), elsewhere
+  with `scaled_dot_product_attention`. A request with no cached prefix attends to its own new
+  K/V straight from the projection (no read of the pool); one on a prefix gathers its slots
+  once per layer. On a CPU, requests of one extend batch on
   the same cached prefix (at least `CASCADE_MIN_PREFIX` shared slots) attend together instead
   (cascade extend): the shared prefix once for all their new tokens, their own keys padded in
   one more call, the parts merged by the log-sum-exps of ATen's CPU flash kernel
@@ -96,6 +98,8 @@ class _ExtendMeta:
     starts: list[int]  # first row of each request's new tokens, and the total at the end
     groups: list[ExtendGroup] = field(default_factory=list)  # CPU cascade groups (members
     # are then attended by `attend_extend_group`, not one by one)
+    kernel: bool = False  # a CPU pool the attention kernels take: requests attend one by one
+    # with `cpu_kernels.causal_attention` (where the head shape fits too)
 
 
 def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -143,9 +147,9 @@ class TorchNativeBackend(AttentionBackend):
 
     # --- extend -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _extend_metadata(batch: ForwardBatch) -> _ExtendMeta:
+    def _extend_metadata(self, batch: ForwardBatch) -> _ExtendMeta:
         table = batch.req_to_token_pool.req_to_token
+        kernel = self._kernel_runs(batch)
         slots: list[torch.Tensor | None] = []
         masks: list[torch.Tensor | None] = []
         rows = batch.req_pool_indices.tolist()
@@ -157,7 +161,8 @@ class TorchNativeBackend(AttentionBackend):
                 continue
             seq = prefix + ext
             slots.append(table[row, :seq])
-            masks.append(causal_mask(prefix, ext, 0, table.device))  # [ext, seq]
+            # [ext, seq]; the CPU kernel needs none (its queries see the keys up to their own)
+            masks.append(None if kernel else causal_mask(prefix, ext, 0, table.device))
         starts = [0]
         for ext in batch.extend_seq_lens_cpu:
             starts.append(starts[-1] + ext)
@@ -165,7 +170,8 @@ class TorchNativeBackend(AttentionBackend):
         if torch.device(batch.kv_pool.device).type == "cpu":  # the CPU flash kernel's lse
             groups = extend_groups(table, rows, slots, starts, batch.extend_prefix_lens_cpu,
                                    CASCADE_MIN_PREFIX, CASCADE_EXTEND_MAX_NEW)
-        return _ExtendMeta(slots=slots, masks=masks, starts=starts, groups=groups)
+        return _ExtendMeta(slots=slots, masks=masks, starts=starts, groups=groups,
+                           kernel=kernel)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec,
                        batch: ForwardBatch) -> torch.Tensor:
@@ -183,6 +189,8 @@ class TorchNativeBackend(AttentionBackend):
         k_buf = batch.kv_pool.k_buffer[layer.layer_id]
         v_buf = batch.kv_pool.v_buffer[layer.layer_id]
         gqa = layer.num_heads != layer.num_kv_heads
+        kernel = meta.kernel and k_buf.dtype == q.dtype and cpu_kernels.attention_fits(
+            q.dtype, layer.num_heads // layer.num_kv_heads, layer.head_dim)
         out = torch.empty_like(q)
         starts = meta.starts
         grouped = set()
@@ -197,6 +205,12 @@ class TorchNativeBackend(AttentionBackend):
                 ki, vi = k[start:end], v[start:end]  # [ext, Hkv, D]
             else:
                 ki, vi = k_buf.index_select(0, slots), v_buf.index_select(0, slots)  # [S,Hkv,D]
+            if kernel:
+                out[start:end] = cpu_kernels.causal_attention(q[start:end], ki, vi,
+                                                              layer.scaling)
+                continue
+            if mask is None and slots is not None:  # left to the kernel, which cannot take it
+                mask = causal_mask(len(slots) - (end - start), end - start, 0, q.device)
             oi = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1).unsqueeze(0),  # [1, H, ext, D]
                 ki.transpose(0, 1).unsqueeze(0).to(q.dtype),  # [1, Hkv, S, D]

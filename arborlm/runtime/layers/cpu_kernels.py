@@ -17,6 +17,12 @@ and SwiGLU, one pass over the activations each instead of ATen's six and three (
 `csrc/elementwise.cpp`). `argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
 compares element by element: 32 rows of 8,192 logits ~115 us, here ~16 us).
 
+`causal_attention`: an extend's attention (a prompt's new tokens, on a cached prefix or not) as
+flash attention over register tiles (`csrc/prefill_attention.cpp`). A 512-token prompt of the
+32M model (8 heads over 4 KV heads, head dim 64), one layer: ~1.6 ms against ~3.6 ms for ATen's
+CPU flash kernel (`scaled_dot_product_attention`), float32 and bfloat16; the whole float32
+prefill ~156 -> ~133 ms.
+
 `decode_step`: a whole decode step of a Llama-family model in one call over these kernels
 (`csrc/decode_step.cpp`; `compiled_decode.FusedDecodeStep` calls it).
 
@@ -55,7 +61,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("panel_gemm.cpp", "decode_attention.cpp", "elementwise.cpp",
-                                    "packed_linear.cpp", "decode_step.cpp")]
+                                    "packed_linear.cpp", "decode_step.cpp",
+                                    "prefill_attention.cpp")]
 # The cache entry's name carries a hash of every source and header: the builder itself hashes
 # only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
 EXTENSION_NAME = "arborlm_cpu_kernels_" + hashlib.sha256(
@@ -134,6 +141,7 @@ def _build() -> bool:
         torch.library.register_fake("arborlm::packed_linear")(_packed_linear_shape)
         torch.library.register_fake("arborlm::pack_panels")(_pack_panels_shape)
         torch.library.register_fake("arborlm::panel_linear")(_panel_linear_shape)
+        torch.library.register_fake("arborlm::causal_attention")(_causal_shape)
         _built = True
         return True
 
@@ -178,6 +186,21 @@ def decode_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     h serving query heads h*G to h*G+G-1). Returns `[B, H, D]` in q's dtype (the pools' too,
     float32 or bfloat16); `attention_available(q.dtype)` must hold."""
     return torch.ops.arborlm.decode_attention_paged(q, k_pool, v_pool, slots, lens, scale)
+
+
+def _causal_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of T new tokens: q `[T, H, D]` against k/v `[S, Hkv, D]` (S >= T, the
+    last T keys the new tokens' own, any before them a cached prefix), query i seeing keys
+    0 .. S - T + i; rows may be strided, each head's D values contiguous. Returns `[T, H, D]`
+    in q's dtype (float32 or bfloat16, the same for all three); `attention_available(q.dtype)`
+    and `attention_fits` must hold."""
+    return torch.ops.arborlm.causal_attention(q, k, v, scale)
 
 
 def _norm_shape(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

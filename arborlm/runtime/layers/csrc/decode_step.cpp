@@ -61,19 +61,8 @@ inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
 using arborlm_cpu::load16;
+using arborlm_cpu::round_to;
 
-// v rounded to T's precision and widened back, as storing it in T and reading it back would
-// (bfloat16: nearest even, a NaN quiet, as c10::BFloat16 rounds).
-__attribute__((target("avx512f"))) inline __m512 round_to(const float*, __m512 v) { return v; }
-__attribute__((target("avx512f"))) inline __m512 round_to(const c10::BFloat16*, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                            _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(r);
-}
 // Stores v (already of T's precision) into 16 T.
 __attribute__((target("avx512f"))) inline void store16(float* p, __m512 v) {
   _mm512_storeu_ps(p, v);

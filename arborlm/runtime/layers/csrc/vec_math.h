@@ -1,5 +1,5 @@
 // Vector math shared by ArborLM's CPU kernels (AVX-512, per-function target attributes):
-// widening loads, exp and silu.
+// widening loads, rounding to bfloat16, exp and silu.
 
 #pragma once
 
@@ -15,6 +15,19 @@ __attribute__((target("avx512f"))) inline __m512 load16(const float* p) {
 __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// v rounded to T's precision and widened back, as storing it in T and reading it back would
+// (bfloat16: nearest even, a NaN quiet, as c10::BFloat16 rounds).
+__attribute__((target("avx512f"))) inline __m512 round_to(const float*, __m512 v) { return v; }
+__attribute__((target("avx512f"))) inline __m512 round_to(const c10::BFloat16*, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                            _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
 }
 
 // e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
