@@ -22,7 +22,9 @@ Steps of Llama-family models without q/k norms (Llama, Llama 3, Mistral, Qwen2) 
 where ArborLM's CPU kernels run: `FusedDecodeStep` calls `arborlm::decode_step`, the whole step
 in one C++ call over the same kernels with the eager model's arithmetic. It needs no compiler,
 so engines without `enable_torch_compile` decode through it too (`create_fused_decode_step`;
-`ModelRunner` runs it for steps that `decode_fits`).
+`ModelRunner` runs it for steps that `decode_fits`). It also takes the steps whose requests
+share a cached prefix, with cascade attention of its own (`cascade_inputs`; the graph would
+read the prefix once per request, so without the fused step those steps stay eager).
 `benchmarks/cpu_decode_step.py` alternates the two in one engine; the graph's ms per step over
 the fused step's (2-core machine, medians of 7 rounds): batch 1, 32M float32 1.080, bfloat16
 1.664, 125M float32 1.103; 32 requests, 32M float32 1.120, bfloat16 1.250, 125M float32 1.031.
@@ -128,7 +130,7 @@ class CompiledDecodeRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         """A decode step that `decode_fits` `max_bs`; with the traced attention, none longer
         than `COMPILED_MAX_SEQ_LEN`."""
-        if not decode_fits(batch, self.max_bs):
+        if not decode_fits(batch, self.max_bs, shared_prefix=self.fused is not None):
             return False
         return self.attention.kernel or max(batch.seq_lens_cpu) <= COMPILED_MAX_SEQ_LEN
 
@@ -217,19 +219,48 @@ class FusedDecodeStep:
         return cls(runner, weights, model.model.layers[0].mlp.down_proj.in_features)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[B, vocab]` float32 of a decode batch that `decode_fits`."""
+        """Logits `[B, vocab]` float32 of a decode batch that `decode_fits` (requests sharing a
+        cached prefix included: cascade attention reads each group's prefix once)."""
         batch.attn_metadata = compiled_decode_metadata(batch)
         batch.logits_indices = None
-        return self(batch)
+        return self(batch, cascade_inputs(batch))
 
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[B, vocab]` float32 of a decode batch (metadata built)."""
+    def __call__(self, batch: ForwardBatch, cascade: tuple | None = None) -> torch.Tensor:
+        """Logits `[B, vocab]` float32 of a decode batch (metadata built), with the cascade
+        groups `cascade_inputs` finds or without any."""
         meta: CompiledDecodeMeta = batch.attn_metadata
         scale, heads, kv_heads, head_dim = self.shape
+        slots, lens, prefix_slots, prefix_lens, groups = \
+            cascade if cascade is not None else (meta.slots, meta.seq_lens, None, None, None)
         return torch.ops.arborlm.decode_step(
-            batch.input_ids, batch.positions, batch.out_cache_loc, meta.slots, meta.seq_lens,
+            batch.input_ids, batch.positions, batch.out_cache_loc, slots, lens,
             self.weights, self.k_pool, self.v_pool, self.cos, self.sin, self.eps, scale, heads,
-            kv_heads, head_dim, self.intermediate)
+            kv_heads, head_dim, self.intermediate, prefix_slots, prefix_lens, groups)
+
+
+def cascade_inputs(batch: ForwardBatch) -> tuple | None:
+    """The fused step's cascade groups, as `torch_native.find_groups` finds them for eager
+    decode: (own slots `[B, W]` (each request's keys after its group's prefix), own lengths
+    `[B]`, prefix slots `[G, P]`, prefix lengths `[G]`, group of each request `[B]` (-1: none)),
+    or None where no group forms. Needs `compiled_decode_metadata`."""
+    if batch.batch_size < 2:
+        return None
+    meta: CompiledDecodeMeta = batch.attn_metadata
+    width = meta.slots.shape[1]
+    pos = torch.arange(width, device=meta.slots.device)
+    slots = meta.slots * (pos[None, :] < batch.seq_lens[:, None])  # padding -> slot 0
+    layout = torch_native.find_groups(slots, batch.seq_lens_cpu)
+    if layout.num_groups == 0:
+        return None
+    offsets = torch.tensor(layout.offsets, device=slots.device)
+    own_lens = batch.seq_lens - offsets
+    own_pos = (offsets[:, None] + pos[None, :int(own_lens.max())]).clamp_(max=width - 1)
+    first = [layout.groups.index(g) for g in range(layout.num_groups)]
+    prefix_lens = [layout.offsets[i] for i in first]
+    prefix_slots = slots[first, :layout.prefix_width].contiguous()
+    return (slots.gather(1, own_pos), own_lens, prefix_slots,
+            torch.tensor(prefix_lens, device=slots.device),
+            torch.tensor(layout.groups, device=slots.device))
 
 
 def _panels(linear: nn.Module, dtype: torch.dtype
@@ -248,13 +279,14 @@ def _panels(linear: nn.Module, dtype: torch.dtype
     return cpu_kernels.pack_panels(weight), None if bias is None else bias.detach().float()
 
 
-def decode_fits(batch: ForwardBatch, max_bs: int) -> bool:
+def decode_fits(batch: ForwardBatch, max_bs: int, shared_prefix: bool = False) -> bool:
     """A decode step of at most `max_bs` requests, whose logits are wanted for every row,
-    sharing no cached prefix (eager cascade attention reads a shared prefix once per step for
-    all its requests; the compiled and fused steps would read it once per request)."""
+    sharing no cached prefix unless `shared_prefix` (the fused step reads a shared prefix once
+    per step for all its requests, as eager cascade attention does; the compiled graph would
+    read it once per request)."""
     if not batch.mode.is_decode or batch.batch_size > max_bs:
         return False
-    if batch.batch_size > 1 and _shares_a_prefix(batch):
+    if not shared_prefix and batch.batch_size > 1 and _shares_a_prefix(batch):
         return False
     rows = batch.logits_indices
     return rows is None or rows.numel() == batch.batch_size

@@ -77,7 +77,8 @@ class EngineArgs:
         "compiled, with fewer and fused kernels.", default=False)
     torch_compile_max_bs: int = _doc(
         "Largest decode batch that runs compiled (enable_torch_compile); larger ones, and "
-        "batches whose requests share a cached prefix (cascade attention), run eagerly. "
+        "batches whose requests share a cached prefix (cascade attention), run eagerly (or "
+        "through the fused decode step, which serves Llama-family models). "
         "32M model on 2 cores, ms per step compiled vs eager: float32 4 requests 7.2 vs 8.2, "
         "32: 16.3 vs 17.7-24.2; bfloat16 4: 4.6 vs 7.9, 32: 10.1-13.1 vs 13.1-14.2.",
         default=32)

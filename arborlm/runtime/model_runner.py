@@ -113,7 +113,8 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         if self.compiled is not None and self.compiled.can_run(batch):
             return self.compiled.forward(batch)
-        if self.fused is not None and decode_fits(batch, self.config.args.max_running_requests):
+        if self.fused is not None and decode_fits(batch, self.config.args.max_running_requests,
+                                                  shared_prefix=True):
             return self.fused.run(batch)
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)

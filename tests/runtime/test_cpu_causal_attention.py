@@ -98,6 +98,36 @@ def test_a_query_does_not_depend_on_later_ones(dtype):
         assert torch.equal(part, whole[:t]), t
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_prefix_attention_matches_float64(dtype):
+    """Cascade decode's shared part: members of two groups (one with more members than a
+    48-row block) attend to their group's prefix, read from scattered pool rows; a request in
+    no group gets zeros and -inf."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 4, 2, 64
+    pool_k = torch.randn(900, kv_heads, dim, generator=gen).to(dtype)
+    pool_v = torch.randn(900, kv_heads, dim, generator=gen).to(dtype)
+    slots = torch.randperm(900, generator=gen)[:2 * 300].view(2, 300)
+    lens = torch.tensor([300, 77])
+    groups = torch.tensor([0] * 50 + [-1] + [1] * 3)
+    q = torch.randn(groups.numel(), heads, dim, generator=gen).to(dtype)
+    out, lse = cpu_kernels.prefix_attention(q, pool_k, pool_v, slots, lens, groups, 0.125)
+    assert out.dtype == lse.dtype == torch.float32
+    for b, g in enumerate(groups.tolist()):
+        if g < 0:
+            assert bool((out[b] == 0).all()) and bool(torch.isinf(lse[b]).all())
+            continue
+        rows = slots[g, :lens[g]]
+        k = pool_k[rows].double().repeat_interleave(heads // kv_heads, dim=1)  # [P, H, D]
+        v = pool_v[rows].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,phd->hp", q[b].double(), k) * 0.125
+        ref = torch.einsum("hp,phd->hd", scores.softmax(dim=-1), v)
+        size = torch.einsum("hp,phd->hd", scores.softmax(dim=-1), v.abs())
+        tol = 2e-5 if dtype == torch.float32 else 2.0 ** -8 * size + 1e-5
+        assert bool(((out[b].double() - ref).abs() <= tol).all()), b
+        assert torch.allclose(lse[b].double(), torch.logsumexp(scores, dim=-1), atol=1e-5)
+
+
 def test_traced_call():
     gen = torch.Generator().manual_seed(2)
     q, k, v = _case((20, 30, 4, 2, 32), torch.float32, gen)

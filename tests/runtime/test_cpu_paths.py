@@ -34,7 +34,8 @@ def test_cascade_decode_matches_transformers(make_tiny_model, monkeypatch):
               [(11 * i) % 300 + 20 for i in range(120)]]  # > CASCADE_MIN_PREFIX tokens
     prompts = [shared[j % 2] + [20 + j, 30 + j, 40 + 2 * j] for j in range(6)]
     prompts.append([(5 * i) % 200 + 8 for i in range(50)])
-    engine = Engine(path, dtype="float32", debug_integrity=True)
+    # the modules' own decode path (the fused step's cascade is tested in test_fused_decode)
+    engine = Engine(path, dtype="float32", debug_integrity=True, disable_fused_decode=True)
     engine.generate(input_ids=[s + [5] for s in shared],
                     sampling_params={"max_new_tokens": 1})  # cache both prefixes
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)

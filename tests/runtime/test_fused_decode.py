@@ -56,7 +56,8 @@ def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, 
     calls = []
     call = compiled_decode.FusedDecodeStep.__call__
     monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
-                        lambda self, batch: calls.append(batch.batch_size) or call(self, batch))
+                        lambda self, batch, *rest: calls.append(batch.batch_size)
+                        or call(self, batch, *rest))
     with Engine(path, dtype=dtype, enable_torch_compile=True) as engine:
         assert engine.scheduler.runner.compiled.fused is not None
         fused = _decode_together(engine)
@@ -82,7 +83,8 @@ def test_eager_engines_decode_through_the_fused_step(make_tiny_model, monkeypatc
     calls = []
     call = compiled_decode.FusedDecodeStep.__call__
     monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
-                        lambda self, batch: calls.append(batch.batch_size) or call(self, batch))
+                        lambda self, batch, *rest: calls.append(batch.batch_size)
+                        or call(self, batch, *rest))
     with Engine(path, dtype=dtype) as engine:
         assert engine.scheduler.runner.compiled is None
         assert engine.scheduler.runner.fused is not None
@@ -143,3 +145,73 @@ def test_bad_arguments_name_the_problem():
     with pytest.raises(RuntimeError, match="token 10 outside the vocab"):
         torch.ops.arborlm.decode_step(two + 10, two, two, two.view(2, 1), two, layer + tail,
                                       pool, pool, table, table, 1e-6, 0.25, 1, 1, 16, 32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_requests_on_a_shared_prefix_decode_through_the_fused_step(make_tiny_model, monkeypatch,
+                                                                     dtype):
+    """Two groups of requests on two cached prefixes, plus one request on neither: every decode
+    step runs as one fused call with cascade attention (each group's prefix read once, merged
+    with the members' own keys by log-sum-exp), and the results equal the eager engine's
+    cascade path (and transformers' tokens in float32)."""
+    if dtype == "bfloat16" and not cpu_kernels.available(torch.bfloat16):
+        pytest.skip("this CPU lacks AVX512-BF16")
+    path = str(make_tiny_model("llama"))
+    groups = []
+    call = compiled_decode.FusedDecodeStep.__call__
+
+    def counting(self, batch, cascade=None):
+        groups.append(0 if cascade is None else len(cascade[3]))
+        return call(self, batch, cascade)
+
+    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__", counting)
+    shared = [[(7 * i) % 400 + 10 for i in range(90)],
+              [(11 * i) % 300 + 20 for i in range(120)]]  # > CASCADE_MIN_PREFIX tokens
+    prompts = [shared[j % 2] + [20 + j, 30 + j, 40 + 2 * j] for j in range(6)]
+    prompts.append([(5 * i) % 200 + 8 for i in range(50)])
+    params = dict(GREEDY, max_new_tokens=8)
+
+    def run(engine: Engine) -> list[dict]:
+        engine.generate(input_ids=[s + [5] for s in shared],
+                        sampling_params={"max_new_tokens": 1})  # cache both prefixes
+        return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+
+    with Engine(path, dtype=dtype) as engine:
+        fused = run(engine)
+    assert groups.count(2) == params["max_new_tokens"] - 1, groups
+    with Engine(path, dtype=dtype, disable_fused_decode=True) as engine:
+        eager = run(engine)
+    for prompt, f, e in zip(prompts, fused, eager):
+        assert f["output_ids"] == e["output_ids"]
+        if dtype == "float32":
+            assert _logprobs(f) == pytest.approx(_logprobs(e), abs=1e-4)
+            assert f["output_ids"] == hf_greedy(path, prompt, params["max_new_tokens"])
+    if dtype == "bfloat16":
+        # The eager cascade's prefix part is batched bfloat16 matmuls (scores and probabilities
+        # rounded to bfloat16), the fused step's float32 tiles: each must be as close to the
+        # float32 engine's logprobs as the other, give or take.
+        with Engine(path, dtype="float32") as engine:
+            exact = run(engine)
+
+        def gap(outs):
+            return max(abs(a - b) for o, x in zip(outs, exact)
+                       for a, b in zip(_logprobs(o), _logprobs(x)))
+
+        assert gap(fused) <= 1.5 * gap(eager) + 0.01
+
+
+def _logprobs(out: dict) -> list[float]:
+    return [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_cascade_arguments_are_checked():
+    q = torch.randn(3, 4, 16)
+    pool = torch.randn(50, 2, 16)
+    slots = torch.arange(20).view(2, 10)
+    lens, groups = torch.tensor([10, 8]), torch.tensor([0, -1, 1])
+    with pytest.raises(RuntimeError, match="outside 1..10"):
+        cpu_kernels.prefix_attention(q, pool, pool, slots, torch.tensor([11, 8]), groups, 0.25)
+    with pytest.raises(RuntimeError, match="slot 50 is outside the pool"):
+        cpu_kernels.prefix_attention(q, pool, pool, slots + 50, lens, groups, 0.25)
+    with pytest.raises(RuntimeError, match="group 2 of row 2 is not one of 2"):
+        cpu_kernels.prefix_attention(q, pool, pool, slots, lens, torch.tensor([0, 1, 2]), 0.25)

@@ -287,7 +287,7 @@ class TorchNativeBackend(AttentionBackend):
         slots = table[batch.req_pool_indices, :width]  # [B, L]
         pos = torch.arange(width, device=slots.device)
         slots = slots * (pos[None, :] < batch.seq_lens[:, None])  # padding -> slot 0
-        layout = _find_groups(slots, batch.seq_lens_cpu)
+        layout = find_groups(slots, batch.seq_lens_cpu)
         cascade = _cascade_meta(slots, layout, hkv)
         own_slots, own_lens = slots, batch.seq_lens
         if cascade is not None:  # each request's keys after its group's prefix
@@ -425,7 +425,7 @@ def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Ten
     return torch.cat([x, pad], dim=1).index_select(1, place)
 
 
-def _find_groups(slots: torch.Tensor, lens: list[int]) -> Layout:
+def find_groups(slots: torch.Tensor, lens: list[int]) -> Layout:
     """Cascade groups of a decode batch (`slots` `[B, L]`, padding 0): requests holding the
     same slot at position `CASCADE_MIN_PREFIX - 1` share the radix-cache path up to it, so
     they form a group whose prefix is their longest common run of slots. Groups are used when

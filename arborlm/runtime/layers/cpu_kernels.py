@@ -24,7 +24,9 @@ CPU flash kernel (`scaled_dot_product_attention`), float32 and bfloat16; the who
 prefill ~156 -> ~133 ms.
 
 `decode_step`: a whole decode step of a Llama-family model in one call over these kernels
-(`csrc/decode_step.cpp`; `compiled_decode.FusedDecodeStep` calls it).
+(`csrc/decode_step.cpp`; `compiled_decode.FusedDecodeStep` calls it). Requests sharing a cached
+prefix attend to it through `prefix_attention` (the causal kernel's tiles, all members' query
+heads against the group's prefix, read once), merged with their own keys by log-sum-exp.
 
 `packed_linear`: a linear through its oneDNN-packed weight, looked up by number, so that a
 compiled graph (which cannot hold the opaque packed tensor) can call it without a Python frame
@@ -142,6 +144,7 @@ def _build() -> bool:
         torch.library.register_fake("arborlm::pack_panels")(_pack_panels_shape)
         torch.library.register_fake("arborlm::panel_linear")(_panel_linear_shape)
         torch.library.register_fake("arborlm::causal_attention")(_causal_shape)
+        torch.library.register_fake("arborlm::prefix_attention")(_prefix_shape)
         _built = True
         return True
 
@@ -201,6 +204,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     in q's dtype (float32 or bfloat16, the same for all three); `attention_available(q.dtype)`
     and `attention_fits` must hold."""
     return torch.ops.arborlm.causal_attention(q, k, v, scale)
+
+
+def _prefix_shape(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  prefix_slots: torch.Tensor, prefix_lens: torch.Tensor, groups: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:2],
+                                                                   dtype=torch.float32)
+
+
+def prefix_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     prefix_slots: torch.Tensor, prefix_lens: torch.Tensor, groups: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cascade decode's shared part (what the fused decode step calls per layer): request b's
+    query heads q `[B, H, D]` (contiguous), where `groups[b]` = g >= 0, attend to pool rows
+    `prefix_slots[g, :prefix_lens[g]]` of k/v_pool `[S, Hkv, D]`. Returns float32 outputs
+    `[B, H, D]` and log-sum-exps `[B, H]` (zero and -inf for requests in no group), to merge
+    with the attention over each request's own keys."""
+    return torch.ops.arborlm.prefix_attention(q, k_pool, v_pool, prefix_slots, prefix_lens,
+                                              groups, scale)
 
 
 def _norm_shape(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -258,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 template <typename T>
 void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const at::Tensor& slots, const std::vector<int64_t>& lens, double scale,
-                  at::Tensor& out) {
+                  at::Tensor& out, float* lse_out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
   const int64_t width = slots.size(1);
@@ -280,17 +280,14 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
       row(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, sp + b * width,
           kv_heads * dim, lens[b], group, dim, static_cast<float>(scale), scores.data(),
           op + (b * heads + h * group) * dim, lse.data());
+      if (lse_out != nullptr) std::copy(lse.begin(), lse.end(), lse_out + b * heads + h * group);
     }
   });
 }
 
-}  // namespace
-
-namespace arborlm_cpu {
-
-at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
-                                  const at::Tensor& v_pool, const at::Tensor& slots,
-                                  const at::Tensor& lens, double scale) {
+std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& k_pool,
+                                          const at::Tensor& v_pool, const at::Tensor& slots,
+                                          const at::Tensor& lens, double scale, bool want_lse) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
               "decode_attention_paged: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
@@ -334,16 +331,35 @@ at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
   }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
-  if (batch == 0) return out;
+  at::Tensor lse = want_lse ? at::empty({batch, heads}, q.options().dtype(at::kFloat))
+                            : at::Tensor();
+  if (batch == 0) return {out, lse};
+  float* lp = want_lse ? lse.data_ptr<float>() : nullptr;
   if (qc.scalar_type() == at::kFloat) {
-    attend_paged<float>(qc, k_pool, v_pool, sc, lv, scale, out);
+    attend_paged<float>(qc, k_pool, v_pool, sc, lv, scale, out, lp);
   } else if (qc.scalar_type() == at::kBFloat16) {
-    attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, lv, scale, out);
+    attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, lv, scale, out, lp);
   } else {
     TORCH_CHECK(false, "decode_attention_paged: float32 or bfloat16 only, got ",
                 qc.scalar_type());
   }
-  return out;
+  return {out, lse};
+}
+
+}  // namespace
+
+namespace arborlm_cpu {
+
+at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
+                                  const at::Tensor& v_pool, const at::Tensor& slots,
+                                  const at::Tensor& lens, double scale) {
+  return std::get<0>(paged(q, k_pool, v_pool, slots, lens, scale, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention_paged_lse(
+    const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+    const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  return paged(q, k_pool, v_pool, slots, lens, scale, true);
 }
 
 }  // namespace arborlm_cpu

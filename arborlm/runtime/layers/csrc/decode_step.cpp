@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -154,13 +155,49 @@ __attribute__((target("avx512f"))) void silu_mul(const T* gate_up, T* out, int64
   }
 }
 
+// Cascade groups of a decode batch: requests b with groups[b] = g >= 0 share the prefix held
+// by pool rows slots[g, :lens[g]] (their own slots then start after it).
+struct Cascade {
+  at::Tensor slots, lens, groups;
+};
+
+// own (T [B, H, D], attention over each request's own keys) becomes the softmax over both
+// parts: own and pre (float32) weighted by their log-sum-exps; rows without a prefix part
+// (pre_lse -inf) keep theirs.
+template <typename T>
+void merge_rows(T* own, const float* own_lse, const float* pre, const float* pre_lse,
+                int64_t rows, int64_t dim) {
+  for (int64_t n = 0; n < rows; ++n) {
+    if (std::isinf(pre_lse[n])) continue;
+    const float mx = std::max(own_lse[n], pre_lse[n]);
+    const float a = std::exp(own_lse[n] - mx), b = std::exp(pre_lse[n] - mx);
+    const float inv = 1.0f / (a + b);
+    T* o = own + n * dim;
+    const float* p = pre + n * dim;
+    for (int64_t d = 0; d < dim; ++d) o[d] = T((widen(o[d]) * a + p[d] * b) * inv);
+  }
+}
+
+void merge(at::Tensor& own, const at::Tensor& own_lse, const at::Tensor& pre,
+           const at::Tensor& pre_lse) {
+  const int64_t rows = own.size(0) * own.size(1), dim = own.size(2);
+  if (own.scalar_type() == at::kFloat) {
+    merge_rows(own.data_ptr<float>(), own_lse.data_ptr<float>(), pre.data_ptr<float>(),
+               pre_lse.data_ptr<float>(), rows, dim);
+  } else {
+    merge_rows(own.data_ptr<c10::BFloat16>(), own_lse.data_ptr<float>(), pre.data_ptr<float>(),
+               pre_lse.data_ptr<float>(), rows, dim);
+  }
+}
+
 template <typename T>
 at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::Tensor& slot,
                 const at::Tensor& slots, const at::Tensor& lens,
                 const std::vector<std::optional<at::Tensor>>& w,
                 const std::vector<at::Tensor>& k_pool, const std::vector<at::Tensor>& v_pool,
                 const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
-                double scale, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter) {
+                double scale, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+                const Cascade* cascade) {
   const int64_t layers = static_cast<int64_t>(k_pool.size());
   const at::Tensor& embed = *w[layers * kPerLayer];
   const at::Tensor& final_norm = *w[layers * kPerLayer + 1];
@@ -206,8 +243,17 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
       std::memcpy(k_dst + where[b] * kv_size, row + q_size, kv_size * sizeof(T));
       std::memcpy(v_dst + where[b] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
     }
-    at::Tensor attn =
-        arborlm_cpu::decode_attention_paged(q, k_pool[l], v_pool[l], slots, lens, scale);
+    at::Tensor attn;
+    if (cascade == nullptr) {
+      attn = arborlm_cpu::decode_attention_paged(q, k_pool[l], v_pool[l], slots, lens, scale);
+    } else {  // own keys (slots, lens) and the group's prefix, merged by log-sum-exp
+      auto [own, own_lse] =
+          arborlm_cpu::decode_attention_paged_lse(q, k_pool[l], v_pool[l], slots, lens, scale);
+      auto [pre, pre_lse] = arborlm_cpu::prefix_attention(
+          q, k_pool[l], v_pool[l], cascade->slots, cascade->lens, cascade->groups, scale);
+      merge(own, own_lse, pre, pre_lse);
+      attn = own;
+    }
     at::Tensor o = linear(attn.view({rows, q_size}), *lw[3], lw[4], hidden);
     for (int64_t b = 0; b < rows; ++b) {
       add_into(o.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
@@ -231,7 +277,9 @@ at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
                        at::TensorList k_pool, at::TensorList v_pool,
                        const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
                        double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t intermediate) {
+                       int64_t intermediate, const std::optional<at::Tensor>& prefix_slots,
+                       const std::optional<at::Tensor>& prefix_lens,
+                       const std::optional<at::Tensor>& groups) {
   const int64_t layers = static_cast<int64_t>(k_pool.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_pool.size()) == layers,
               "decode_step: one K and one V pool per layer expected");
@@ -288,11 +336,18 @@ at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
   }
   check_linear(*w[layers * kPerLayer + 2], std::nullopt, dtype, hidden, vocab,
                layers * kPerLayer + 2);
+  const bool cascade = prefix_slots.has_value() && prefix_slots->defined();
+  TORCH_CHECK(cascade == (prefix_lens.has_value() && prefix_lens->defined()) &&
+                  cascade == (groups.has_value() && groups->defined()),
+              "decode_step: prefix_slots, prefix_lens and groups come together");
+  Cascade groups_in;
+  if (cascade) groups_in = {*prefix_slots, *prefix_lens, *groups};
+  const Cascade* cp = cascade ? &groups_in : nullptr;
   if (dtype == at::kFloat)
     return step<float>(token, position, slot, slots, lens, w, kp, vp, cos_table, sin_table, eps,
-                       scale, heads, kv_heads, head_dim, intermediate);
+                       scale, heads, kv_heads, head_dim, intermediate, cp);
   return step<c10::BFloat16>(token, position, slot, slots, lens, w, kp, vp, cos_table,
-                             sin_table, eps, scale, heads, kv_heads, head_dim, intermediate);
+                             sin_table, eps, scale, heads, kv_heads, head_dim, intermediate, cp);
 }
 
 }  // namespace
@@ -301,7 +356,8 @@ TORCH_LIBRARY_FRAGMENT(arborlm, m) {
   m.def("decode_step(Tensor token, Tensor position, Tensor slot, Tensor slots, Tensor lens, "
         "Tensor?[] weights, Tensor(a!)[] k_pool, Tensor(b!)[] v_pool, Tensor cos_table, "
         "Tensor sin_table, float eps, float scale, int heads, int kv_heads, int head_dim, "
-        "int intermediate) -> Tensor");
+        "int intermediate, Tensor? prefix_slots=None, Tensor? prefix_lens=None, "
+        "Tensor? groups=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("decode_step", &decode_step); }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 namespace arborlm_cpu {
 
@@ -19,5 +20,20 @@ void panel_linear_out(const at::Tensor& x, const at::Tensor& panels, const float
 at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& v_pool, const at::Tensor& slots,
                                   const at::Tensor& lens, double scale);
+
+// ... with each query's log-sum-exp [B, H] float32 too.
+std::tuple<at::Tensor, at::Tensor> decode_attention_paged_lse(
+    const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+    const at::Tensor& slots, const at::Tensor& lens, double scale);
+
+// prefill_attention.cpp: cascade decode's shared part. Rows b of q [B, H, D] with groups[b] = g
+// >= 0 attend to pool rows prefix_slots[g, :prefix_lens[g]]; float32 outputs [B, H, D] and
+// log-sum-exps [B, H] (zero and -inf for rows in no group).
+std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q,
+                                                    const at::Tensor& k_pool,
+                                                    const at::Tensor& v_pool,
+                                                    const at::Tensor& prefix_slots,
+                                                    const at::Tensor& prefix_lens,
+                                                    const at::Tensor& groups, double scale);
 
 }  // namespace arborlm_cpu

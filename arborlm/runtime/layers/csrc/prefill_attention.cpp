@@ -38,10 +38,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -177,6 +179,92 @@ __attribute__((target("avx512f"))) void softmax_step(float* s, int64_t cnt, int6
   m = mn;
 }
 
+// A float buffer of n for one call, `which` of two: kept between calls on the calling thread up
+// to kKeptFloats each (a fresh allocation of this size is fresh pages, and their faults cost as
+// much as a cascade layer's packing itself), a fresh one in `fresh` beyond.
+constexpr int64_t kKeptFloats = int64_t{1} << 21;  // 8 MiB
+
+float* call_buffer(int which, int64_t n, std::vector<float>& fresh) {
+  thread_local std::vector<float> kept[2];
+  if (n <= kKeptFloats) {
+    if (static_cast<int64_t>(kept[which].size()) < n) kept[which].resize(n);
+    return kept[which].data();
+  }
+  fresh.resize(n);
+  return fresh.data();
+}
+
+// Scratch of one thread's work items: a block's queries, scores, outputs and softmax state.
+struct Scratch {
+  explicit Scratch(int64_t dim)
+      : q(kQueryBlock * dim), o(kQueryBlock * dim), s(kQueryBlock * kKeyBlock) {}
+  std::vector<float> q, o, s;
+  float m[kQueryBlock], l[kQueryBlock], alpha[kQueryBlock];
+};
+
+// Flash attention of `rows` (at most kQueryBlock) float32 queries in w.q against packed keys
+// kg (K^T panels) and float32 values vg (row stride ldv): row r sees the first visible[r] >= 1
+// keys, visible non-decreasing. Leaves the unnormalized outputs in w.o, the row maxima in w.m
+// and the sums of exponentials in w.l.
+template <typename T>
+void flash_rows(Scratch& w, int64_t rows, int64_t dim, const float* kg, const float* vg,
+                int64_t ldv, const int64_t* visible, float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    w.m[r] = -std::numeric_limits<float>::infinity();
+    w.l[r] = 0.0f;
+  }
+  std::fill(w.o.begin(), w.o.begin() + rows * dim, 0.0f);
+  const int64_t key_end = visible[rows - 1];
+  for (int64_t kb = 0; kb < key_end; kb += kKeyBlock) {
+    const int64_t width = std::min(kKeyBlock, key_end - kb);
+    // Scores, tile by tile, only over panels the tile's last row can see.
+    for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {
+      const int64_t mr = std::min<int64_t>(kMaxRows, rows - t0);
+      const int64_t seen = std::min(width, visible[t0 + mr - 1] - kb);
+      for (int64_t p = 0; p * kKeys < seen; ++p) {
+        kQkTiles[mr - 1](w.q.data() + t0 * dim, dim, kg + (kb / kKeys + p) * dim * kKeys, scale,
+                         w.s.data() + t0 * kKeyBlock + p * kKeys, kKeyBlock);
+      }
+    }
+    const int64_t padded = (width + kKeys - 1) / kKeys * kKeys;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t cnt = std::min(width, visible[r] - kb);
+      softmax_step<T>(w.s.data() + r * kKeyBlock, cnt, padded, w.m[r], w.l[r], w.alpha[r]);
+    }
+    // Probabilities times values, into the outputs.
+    for (int64_t c = 0; c < dim; c += 16 * kMaxVectors) {
+      const int64_t nv = std::min<int64_t>(kMaxVectors, (dim - c) / 16);
+      const int64_t tile = pv_rows(static_cast<int>(nv));
+      for (int64_t t0 = 0; t0 < rows; t0 += tile) {
+        const int64_t mr = std::min(tile, rows - t0);
+        const int64_t seen = std::min(width, visible[t0 + mr - 1] - kb);
+        if (seen <= 0) continue;
+        kPvTiles[nv - 1][mr - 1](w.s.data() + t0 * kKeyBlock, kKeyBlock, vg + kb * ldv + c, ldv,
+                                 seen, w.alpha + t0, w.o.data() + t0 * dim + c, dim);
+      }
+    }
+  }
+}
+
+// Keys `count` of one KV head as K^T panels [panels, D, 32] (past the end zero): key j is
+// `dim` values at src(j).
+template <typename T, typename Src>
+void pack_keys(float* dst, int64_t count, int64_t dim, const Src& src) {
+  const int64_t panels = (count + kKeys - 1) / kKeys;
+  for (int64_t p = 0; p < panels; ++p) {
+    float* panel = dst + p * dim * kKeys;
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const int64_t key = p * kKeys + j;
+      if (key >= count) {
+        for (int64_t d = 0; d < dim; ++d) panel[d * kKeys + j] = 0.0f;
+        continue;
+      }
+      const T* row = src(key);
+      for (int64_t d = 0; d < dim; ++d) panel[d * kKeys + j] = widen(row[d]);
+    }
+  }
+}
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
             at::Tensor& out) {
@@ -192,32 +280,23 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
 
-  // K^T panels [Hkv, panels, D, 32] (keys past the end zero), and float32 values when the
-  // inputs are bfloat16 ([Hkv, S, D]; float32 values are read in place).
-  std::vector<float> kpack(kv_heads * panels * dim * kKeys);
-  at::parallel_for(0, kv_heads * panels, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / panels, p = item % panels;
-      float* dst = kpack.data() + item * dim * kKeys;
-      for (int64_t j = 0; j < kKeys; ++j) {
-        const int64_t key = p * kKeys + j;
-        if (key >= keys) {
-          for (int64_t d = 0; d < dim; ++d) dst[d * kKeys + j] = 0.0f;
-          continue;
-        }
-        const T* src = kp + key * ks0 + g * ks1;
-        for (int64_t d = 0; d < dim; ++d) dst[d * kKeys + j] = widen(src[d]);
-      }
-    }
+  // K^T panels [Hkv, panels, D, 32], and float32 values when the inputs are bfloat16
+  // ([Hkv, S, D]; float32 values are read in place).
+  std::vector<float> kfresh, vfresh;
+  float* kpack = call_buffer(0, kv_heads * panels * dim * kKeys, kfresh);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      pack_keys<T>(kpack + g * panels * dim * kKeys, keys, dim,
+                   [&](int64_t key) { return kp + key * ks0 + g * ks1; });
   });
-  std::vector<float> vpack;
+  float* vpack = nullptr;
   if constexpr (!std::is_same_v<T, float>) {
-    vpack.resize(kv_heads * keys * dim);
+    vpack = call_buffer(1, kv_heads * keys * dim, vfresh);
     at::parallel_for(0, kv_heads * keys, 64, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t g = item / keys, key = item % keys;
         const T* src = vp + key * vs0 + g * vs1;
-        float* dst = vpack.data() + item * dim;
+        float* dst = vpack + item * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = widen(src[d]);
       }
     });
@@ -226,66 +305,167 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
   const int64_t blocks = (tokens + kQueryBlock - 1) / kQueryBlock;
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(kQueryBlock * dim), o(kQueryBlock * dim), s(kQueryBlock * kKeyBlock);
-    float m[kQueryBlock], l[kQueryBlock], alpha[kQueryBlock];
+    Scratch w(dim);
+    int64_t visible[kQueryBlock];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, q0 = item % blocks * kQueryBlock;
       const int64_t g = h / group, rows = std::min(kQueryBlock, tokens - q0);
-      const float* kg = kpack.data() + g * panels * dim * kKeys;
       const float* vg;
       int64_t ldv;
       if constexpr (std::is_same_v<T, float>) {
         vg = vp + g * vs1;
         ldv = vs0;
       } else {
-        vg = vpack.data() + g * keys * dim;
+        vg = vpack + g * keys * dim;
         ldv = dim;
       }
       for (int64_t r = 0; r < rows; ++r) {
         const T* src = qp + (q0 + r) * qs0 + h * qs1;
-        for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = widen(src[d]);
-        m[r] = -std::numeric_limits<float>::infinity();
-        l[r] = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) w.q[r * dim + d] = widen(src[d]);
+        visible[r] = offset + q0 + r + 1;
       }
-      std::fill(o.begin(), o.begin() + rows * dim, 0.0f);
-      const int64_t key_end = offset + q0 + rows;  // keys the block's last row sees
-      for (int64_t kb = 0; kb < key_end; kb += kKeyBlock) {
-        const int64_t width = std::min(kKeyBlock, key_end - kb);
-        // Scores, tile by tile, only over panels the tile's last row can see.
-        for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {
-          const int64_t mr = std::min<int64_t>(kMaxRows, rows - t0);
-          const int64_t seen = std::min(width, offset + q0 + t0 + mr - kb);
-          for (int64_t p = 0; p * kKeys < seen; ++p) {
-            kQkTiles[mr - 1](qs.data() + t0 * dim, dim, kg + (kb / kKeys + p) * dim * kKeys,
-                             fscale, s.data() + t0 * kKeyBlock + p * kKeys, kKeyBlock);
-          }
-        }
-        const int64_t padded = (width + kKeys - 1) / kKeys * kKeys;
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t cnt = std::min(width, offset + q0 + r + 1 - kb);
-          softmax_step<T>(s.data() + r * kKeyBlock, cnt, padded, m[r], l[r], alpha[r]);
-        }
-        // Probabilities times values, into the outputs.
-        for (int64_t c = 0; c < dim; c += 16 * kMaxVectors) {
-          const int64_t nv = std::min<int64_t>(kMaxVectors, (dim - c) / 16);
-          const int64_t tile = pv_rows(static_cast<int>(nv));
-          for (int64_t t0 = 0; t0 < rows; t0 += tile) {
-            const int64_t mr = std::min(tile, rows - t0);
-            const int64_t seen = std::min(width, offset + q0 + t0 + mr - kb);
-            if (seen <= 0) continue;
-            kPvTiles[nv - 1][mr - 1](s.data() + t0 * kKeyBlock, kKeyBlock, vg + kb * ldv + c,
-                                     ldv, seen, alpha + t0, o.data() + t0 * dim + c, dim);
-          }
-        }
-      }
+      flash_rows<T>(w, rows, dim, kpack + g * panels * dim * kKeys, vg, ldv, visible, fscale);
       for (int64_t r = 0; r < rows; ++r) {
-        const float inv = 1.0f / l[r];
+        const float inv = 1.0f / w.l[r];
         T* dst = op + ((q0 + r) * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) store_one(dst + d, o[r * dim + d] * inv);
+        for (int64_t d = 0; d < dim; ++d) store_one(dst + d, w.o[r * dim + d] * inv);
       }
     }
   });
 }
+
+// Cascade decode's shared part: the query heads of each group's members (q [B, H, D]) against
+// the group's prefix, pool rows prefix_slots[g, :prefix_lens[g]]; rows in no group (groups[b]
+// < 0) are left out. Float32 outputs [B, H, D] (normalized) and log-sum-exps [B, H].
+template <typename T>
+void attend_prefix(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                   const at::Tensor& prefix_slots, const std::vector<int64_t>& prefix_lens,
+                   const std::vector<std::vector<int64_t>>& members, double scale,
+                   at::Tensor& out, at::Tensor& lse) {
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1);
+  const int64_t group = heads / kv_heads, num_groups = prefix_slots.size(0);
+  const int64_t width = prefix_slots.size(1);
+  const int64_t panels = (width + kKeys - 1) / kKeys;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* sp = prefix_slots.data_ptr<int64_t>();
+  const int64_t row_stride = kv_heads * dim;
+  // Per (group, KV head): K^T panels and float32 values of the prefix.
+  std::vector<float> kfresh, vfresh;
+  float* kpack = call_buffer(0, num_groups * kv_heads * panels * dim * kKeys, kfresh);
+  float* vpack = call_buffer(1, num_groups * kv_heads * width * dim, vfresh);
+  at::parallel_for(0, num_groups * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / kv_heads, h = item % kv_heads, count = prefix_lens[g];
+      const int64_t* slots = sp + g * width;
+      pack_keys<T>(kpack + item * panels * dim * kKeys, count, dim,
+                   [&](int64_t key) { return kp + slots[key] * row_stride + h * dim; });
+      float* dst = vpack + item * width * dim;
+      for (int64_t key = 0; key < count; ++key) {
+        const T* src = vp + slots[key] * row_stride + h * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[key * dim + d] = widen(src[d]);
+      }
+    }
+  });
+  // Work items: (group, query head, block of members).
+  std::vector<std::array<int64_t, 3>> items;
+  for (int64_t g = 0; g < num_groups; ++g)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t m0 = 0; m0 < static_cast<int64_t>(members[g].size()); m0 += kQueryBlock)
+        items.push_back({g, h, m0});
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch w(dim);
+    int64_t visible[kQueryBlock];
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [g, h, m0] = items[i];
+      const int64_t kv = h / group, item = g * kv_heads + kv;
+      const auto& rows_of = members[g];
+      const int64_t rows = std::min<int64_t>(kQueryBlock, rows_of.size() - m0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* src = qp + (rows_of[m0 + r] * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) w.q[r * dim + d] = widen(src[d]);
+        visible[r] = prefix_lens[g];
+      }
+      flash_rows<T>(w, rows, dim, kpack + item * panels * dim * kKeys,
+                    vpack + item * width * dim, dim, visible, fscale);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = rows_of[m0 + r];
+        const float inv = 1.0f / w.l[r];
+        float* dst = op + (b * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = w.o[r * dim + d] * inv;
+        lp[b * heads + h] = w.m[r] + std::log(w.l[r]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace arborlm_cpu {
+
+std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q,
+                                                    const at::Tensor& k_pool,
+                                                    const at::Tensor& v_pool,
+                                                    const at::Tensor& prefix_slots,
+                                                    const at::Tensor& prefix_lens,
+                                                    const at::Tensor& groups, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && k_pool.dim() == 3 &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  v_pool.sizes() == k_pool.sizes() && k_pool.size(2) == q.size(2) &&
+                  q.size(1) % k_pool.size(1) == 0,
+              "prefix_attention: contiguous q [B, H, D] and pools [S, Hkv, D] expected, got ",
+              q.sizes(), ", ", k_pool.sizes());
+  TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= kMaxHeadDim,
+              "prefix_attention: head dim must be a multiple of 16 up to ", kMaxHeadDim);
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              "prefix_attention: q and pool dtypes differ");
+  const int64_t batch = q.size(0), num_groups = prefix_slots.size(0);
+  TORCH_CHECK(prefix_slots.dim() == 2 && prefix_slots.is_contiguous() &&
+                  prefix_slots.scalar_type() == at::kLong && prefix_lens.numel() == num_groups &&
+                  groups.numel() == batch && groups.scalar_type() == at::kLong,
+              "prefix_attention: prefix_slots int64 [G, P], prefix_lens [G] and groups int64 "
+              "[B] expected");
+  const at::Tensor pl = prefix_lens.to(at::kLong).contiguous();
+  std::vector<int64_t> lens(pl.data_ptr<int64_t>(), pl.data_ptr<int64_t>() + num_groups);
+  const int64_t* sp = prefix_slots.data_ptr<int64_t>();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    TORCH_CHECK(lens[g] >= 1 && lens[g] <= prefix_slots.size(1), "prefix_attention: group ", g,
+                "'s prefix of ", lens[g], " keys is outside 1..", prefix_slots.size(1));
+    for (int64_t j = 0; j < lens[g]; ++j)
+      TORCH_CHECK(sp[g * prefix_slots.size(1) + j] >= 0 &&
+                      sp[g * prefix_slots.size(1) + j] < k_pool.size(0),
+                  "prefix_attention: slot ", sp[g * prefix_slots.size(1) + j],
+                  " is outside the pool");
+  }
+  std::vector<std::vector<int64_t>> members(num_groups);
+  const at::Tensor gc = groups.contiguous();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t g = gc.data_ptr<int64_t>()[b];
+    TORCH_CHECK(g < num_groups, "prefix_attention: group ", g, " of row ", b, " is not one of ",
+                num_groups);
+    if (g >= 0) members[g].push_back(b);
+  }
+  at::Tensor out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor lse = at::full({batch, q.size(1)}, -std::numeric_limits<float>::infinity(),
+                            q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kFloat) {
+    attend_prefix<float>(q, k_pool, v_pool, prefix_slots, lens, members, scale, out, lse);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend_prefix<c10::BFloat16>(q, k_pool, v_pool, prefix_slots, lens, members, scale, out,
+                                 lse);
+  } else {
+    TORCH_CHECK(false, "prefix_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace arborlm_cpu
+
+namespace {
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale) {
@@ -328,6 +508,11 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(arborlm, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prefix_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor prefix_slots, "
+        "Tensor prefix_lens, Tensor groups, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("causal_attention", &causal_attention); }
+TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
+  m.impl("causal_attention", &causal_attention);
+  m.impl("prefix_attention", &arborlm_cpu::prefix_attention);
+}
