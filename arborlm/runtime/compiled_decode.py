@@ -243,7 +243,7 @@ def cascade_inputs(batch: ForwardBatch) -> tuple | None:
     decode: (own slots `[B, W]` (each request's keys after its group's prefix), own lengths
     `[B]`, prefix slots `[G, P]`, prefix lengths `[G]`, group of each request `[B]` (-1: none)),
     or None where no group forms. Needs `compiled_decode_metadata`."""
-    if batch.batch_size < 2:
+    if batch.batch_size < 2 or not _shares_a_prefix(batch):  # the cheap test first
         return None
     meta: CompiledDecodeMeta = batch.attn_metadata
     width = meta.slots.shape[1]
