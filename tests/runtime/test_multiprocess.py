@@ -388,11 +388,14 @@ def test_child_startup_failure_raises_its_error(llama_path, monkeypatch):
 
 
 OWNER_SCRIPT = """
-import json, sys, time
+import json, signal, sys, time
 import psutil
 from arborlm import Engine
 
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal, even when the suite runs as a background job (whose commands
+    # inherit SIGINT ignored, and Python then installs no KeyboardInterrupt handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     engine = Engine(sys.argv[1], mode="multiprocess", dtype="float32")
     engine.generate("Hello", {"max_new_tokens": 2})
     heavy = [m for m in ("arborlm.runtime.scheduler", "arborlm.runtime.models.llama", "fastapi")
