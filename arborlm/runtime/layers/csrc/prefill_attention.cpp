@@ -13,8 +13,9 @@
 // - A work item is one query head's block of 48 rows. It walks the keys in blocks of 256: the
 //   scores of the block land in a per-thread buffer (48 KiB), each row takes its online-softmax
 //   step (new maximum, vectorized exp, sum) over the keys it may see, and a second register
-//   tile (up to 12 rows x 64 dims) adds probabilities times values into the rows' float32
-//   outputs, rescaled by the change of maximum as it loads them.
+//   tile (24 accumulators: 6 rows x 64 dims, up to 12 rows for narrower heads) adds
+//   probabilities times values into the rows' float32 outputs, rescaled by the change of
+//   maximum as it loads them.
 // - Key panels past a tile's last visible key are never computed; keys a row may not see within
 //   a computed panel get probability 0.
 //
@@ -23,6 +24,13 @@
 // (bfloat16 inputs are widened exactly), the output is rounded once to the inputs' dtype; as
 // in ATen's kernel, the scale multiplies the scores and bfloat16 probabilities are rounded to
 // bfloat16 before they weight the values.
+//
+// `arborlm::prefix_attention`, cascade decode's shared part (`decode_step` calls it per layer),
+// runs the same core: each group's prefix is packed per (group, KV head) from the pool's slots,
+// a work item is one query head of a block of the group's members, and it returns float32
+// outputs with log-sum-exps, to be merged with the attention over the members' own keys. The
+// packs live in buffers the calling thread keeps between calls (fresh pages would cost a fault
+// each, as much as a cascade layer's packing).
 //
 // Compiled with per-function target attributes, so the file builds on any x86-64 compiler;
 // `cpu_kernels.py` only calls it on CPUs with AVX-512.
@@ -98,7 +106,8 @@ __attribute__((target("avx512f"))) void pv_tile(const float* p, int64_t ldp, con
   for (int m = 0; m < MR; ++m) {
     const __m512 a = _mm512_set1_ps(alpha[m]);
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_mul_ps(_mm512_loadu_ps(o + m * ldo + 16 * j), a);
+    for (int j = 0; j < NV; ++j)
+      acc[m][j] = _mm512_mul_ps(_mm512_loadu_ps(o + m * ldo + 16 * j), a);
   }
   for (int64_t k = 0; k < keys; ++k) {
     __m512 vk[NV];
