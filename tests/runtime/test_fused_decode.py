@@ -53,11 +53,7 @@ def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, 
         pytest.skip("this CPU lacks AVX512-BF16")
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # some packed, some not
     path = str(make_tiny_model(arch, **overrides))
-    calls = []
-    call = compiled_decode.FusedDecodeStep.__call__
-    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
-                        lambda self, batch, *rest: calls.append(batch.batch_size)
-                        or call(self, batch, *rest))
+    calls = _count_fused_steps(monkeypatch)
     with Engine(path, dtype=dtype, enable_torch_compile=True) as engine:
         assert engine.scheduler.runner.compiled.fused is not None
         fused = _decode_together(engine)
@@ -80,11 +76,7 @@ def test_eager_engines_decode_through_the_fused_step(make_tiny_model, monkeypatc
     if dtype == "bfloat16" and not cpu_kernels.available(torch.bfloat16):
         pytest.skip("this CPU lacks AVX512-BF16")
     path = str(make_tiny_model(arch, **overrides))
-    calls = []
-    call = compiled_decode.FusedDecodeStep.__call__
-    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
-                        lambda self, batch, *rest: calls.append(batch.batch_size)
-                        or call(self, batch, *rest))
+    calls = _count_fused_steps(monkeypatch)
     with Engine(path, dtype=dtype) as engine:
         assert engine.scheduler.runner.compiled is None
         assert engine.scheduler.runner.fused is not None
@@ -96,13 +88,21 @@ def test_eager_engines_decode_through_the_fused_step(make_tiny_model, monkeypatc
     _check_equal(path, dtype, fused, eager)
 
 
+def _count_fused_steps(monkeypatch) -> list[int]:
+    """The batch size of every fused decode step from now on, in order."""
+    calls: list[int] = []
+    call = compiled_decode.FusedDecodeStep.__call__
+    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
+                        lambda self, batch, *rest: calls.append(batch.batch_size)
+                        or call(self, batch, *rest))
+    return calls
+
+
 def _check_equal(path: str, dtype: str, fused: list[dict], eager: list[dict]) -> None:
     tol = 1e-4 if dtype == "float32" else 2e-2
     for prompt, n, f, e in zip(PROMPTS, NEW, fused, eager):
         assert f["output_ids"] == e["output_ids"]
-        got = [entry[0] for entry in f["meta_info"]["output_token_logprobs"]]
-        want = [entry[0] for entry in e["meta_info"]["output_token_logprobs"]]
-        assert got == pytest.approx(want, abs=tol)
+        assert _logprobs(f) == pytest.approx(_logprobs(e), abs=tol)
         if dtype == "float32":
             assert f["output_ids"] == hf_greedy(path, prompt, n)
 

@@ -41,14 +41,12 @@ namespace {
 
 using arborlm_cpu::exp16;
 using arborlm_cpu::load16;
+using arborlm_cpu::store_one;
 
 constexpr int64_t kMaxGroup = 16;    // query heads per KV head
 constexpr int64_t kMaxHeadDim = 256;
 // Fewest multiply-adds a thread is given: below this a thread's start-up outweighs its share.
 constexpr int64_t kMinWorkPerThread = 32 * 1024;
-
-inline void store_one(float* p, float x) { *p = x; }
-inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // nearest even
 
 // Keys ahead of the one in use whose rows are prefetched. A request's keys lie one slot row
 // apart at best and, decoded together with others, a batch's width apart (32 KiB for 32

@@ -58,11 +58,9 @@ void check_linear(const at::Tensor& panels, const std::optional<at::Tensor>& bia
               "decode_step: bias ", index + 1, " must be float32 [", out, "]");
 }
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-
 using arborlm_cpu::load16;
 using arborlm_cpu::round_to;
+using arborlm_cpu::widen;
 
 // Stores v (already of T's precision) into 16 T.
 __attribute__((target("avx512f"))) inline void store16(float* p, __m512 v) {

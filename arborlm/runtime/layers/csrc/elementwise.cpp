@@ -28,13 +28,10 @@
 namespace {
 
 using arborlm_cpu::silu16;
+using arborlm_cpu::lane_mask;
 
 // Fewest elements a thread is given: below this a thread's start-up outweighs its share.
 constexpr int64_t kMinElementsPerThread = 16 * 1024;
-
-__attribute__((target("avx512f"))) inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-}
 
 // One row: residual += x (when given), then out = r * rsqrt(mean(r^2) + eps) * w.
 __attribute__((target("avx512f"))) void norm_row(const float* x, float* residual,
@@ -43,7 +40,7 @@ __attribute__((target("avx512f"))) void norm_row(const float* x, float* residual
   const float* r = residual ? residual : x;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
+    const __mmask16 m = lane_mask(n - i);
     __m512 v = _mm512_maskz_loadu_ps(m, x + i);
     if (residual) {
       v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, residual + i));
@@ -54,7 +51,7 @@ __attribute__((target("avx512f"))) void norm_row(const float* x, float* residual
   const float rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
   const __m512 s = _mm512_set1_ps(rstd);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
+    const __mmask16 m = lane_mask(n - i);
     const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + i), s);
     _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
   }
@@ -98,7 +95,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& re
 __attribute__((target("avx512f"))) void silu_mul_row(const float* g, const float* u, float* out,
                                                      int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
+    const __mmask16 m = lane_mask(n - i);
     const __m512 silu = silu16(_mm512_maskz_loadu_ps(m, g + i));
     _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
   }
@@ -132,7 +129,7 @@ __attribute__((target("avx512f"))) int64_t argmax_row(const float* x, int64_t n)
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
+    const __mmask16 m = lane_mask(n - i);
     const __m512 v = _mm512_mask_loadu_ps(top, m, x + i);  // lanes past the end: -inf
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     top = _mm512_max_ps(top, v);
@@ -143,8 +140,8 @@ __attribute__((target("avx512f"))) int64_t argmax_row(const float* x, int64_t n)
   }
   const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(tail_mask(n - i), _mm512_maskz_loadu_ps(
-                                                      tail_mask(n - i), x + i), best, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(lane_mask(n - i), _mm512_maskz_loadu_ps(
+                                                      lane_mask(n - i), x + i), best, _CMP_EQ_OQ);
     if (hit) return i + __builtin_ctz(hit);
   }
   return 0;  // unreachable: the maximum is one of the row's values

@@ -33,8 +33,11 @@
 #include <utility>
 
 #include "kernels.h"
+#include "vec_math.h"
 
 namespace {
+
+using arborlm_cpu::lane_mask;
 
 constexpr int64_t kCols = 32;     // output columns per panel: two 16-lane vectors
 constexpr int kMaxTileRows = 12;  // rows per tile: 24 accumulators of the 32 registers
@@ -42,10 +45,6 @@ constexpr int kMaxTileRows = 12;  // rows per tile: 24 accumulators of the 32 re
 // threads so that a few panels still keep every thread busy; a thread's consecutive items share
 // a panel, which stays in its L2.
 constexpr int64_t kRowBlock = 96;
-
-inline __mmask16 lane_mask(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
 
 // One tile: rows x[0..MR) (row stride ldx) times panel w -> y (row stride ldy), `cols` of the
 // panel's 32 columns stored. steps: `in` (float32) or `in` pairs (bfloat16). pf: the next panel's

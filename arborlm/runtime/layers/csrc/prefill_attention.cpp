@@ -57,7 +57,10 @@
 namespace {
 
 using arborlm_cpu::exp16;
+using arborlm_cpu::lane_mask;
 using arborlm_cpu::round_to;
+using arborlm_cpu::store_one;
+using arborlm_cpu::widen;
 
 constexpr int64_t kKeys = 32;         // keys per panel: two 16-lane vectors
 constexpr int kMaxRows = 12;          // rows per register tile
@@ -65,10 +68,6 @@ constexpr int64_t kQueryBlock = 48;   // query rows per work item
 constexpr int64_t kKeyBlock = 256;    // keys per online-softmax step
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int kMaxVectors = 4;        // head-dim vectors per output tile (64 dims)
-
-inline __mmask16 lane_mask(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
 
 // s[m, 0:32] = scale * q[m, :] . kp[:, 0:32] for MR rows of q (row stride dim), kp one key
 // panel.
@@ -148,11 +147,6 @@ constexpr std::array<std::array<PvTile, kMaxRows>, kMaxVectors> kPvTiles = {
     pv_tiles<2>(std::make_integer_sequence<int, kMaxRows>{}),
     pv_tiles<3>(std::make_integer_sequence<int, kMaxRows>{}),
     pv_tiles<4>(std::make_integer_sequence<int, kMaxRows>{})};
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-inline void store_one(float* p, float x) { *p = x; }
-inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }  // nearest even
 
 // One row's online-softmax step over its `cnt` visible scores of this key block (of `width`
 // computed): s becomes the probabilities (zero past cnt), and m, l and alpha are updated. The

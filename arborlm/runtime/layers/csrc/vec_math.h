@@ -1,12 +1,25 @@
 // Vector math shared by ArborLM's CPU kernels (AVX-512, per-function target attributes):
-// widening loads, rounding to bfloat16, exp and silu.
+// tail masks, widening loads and stores, rounding to bfloat16, exp and silu.
 
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <cstdint>
 #include <immintrin.h>
 
 namespace arborlm_cpu {
+
+// Lanes 0..n-1 of 16 (none for n <= 0, all for n >= 16): a vector loop's tail.
+inline __mmask16 lane_mask(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// One float32 or bfloat16 value widened to float32 (exactly), and stored back rounded (bfloat16:
+// to nearest even).
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void store_one(float* p, float x) { *p = x; }
+inline void store_one(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
 
 // 16 float32 values from 16 float32 or bfloat16 (widened exactly: bf16 is float32's top half).
 __attribute__((target("avx512f"))) inline __m512 load16(const float* p) {
