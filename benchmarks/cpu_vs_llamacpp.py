@@ -17,6 +17,8 @@ ratios of those back-to-back pairs:
                against transformers' generate
 `--enable-torch-compile` runs ArborLM with its compiled decode step (the engine option of the
 same name; the engines then take ~10-30 s longer to start, less once Inductor's cache is warm).
+ArborLM runs greedy decode steps several per call by default (`num_continuous_decode_steps`,
+auto); `--num-continuous-decode-steps 1` measures it one step per scheduling step.
 Targets (issue 8): decode-1 >= 1.0x llama.cpp; conc-32 >= 1.5x; prefix-64 in <= 1/2 its wall;
 prefill-512 >= 90% of the fp32 peak; overhead <= 0.3 ms/token.
 
@@ -276,6 +278,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="workloads to run (default: all)")
     ap.add_argument("--enable-torch-compile", action="store_true",
                     help="ArborLM decodes with its compiled step (engine option of that name)")
+    ap.add_argument("--num-continuous-decode-steps", type=int, default=None,
+                    help="ArborLM engine option of that name (default: the engine's, auto; 1 "
+                         "decodes one step per scheduling step)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -284,6 +289,8 @@ def main() -> None:
     cache = cache_root() / "bench-cpu"
     paths = off_main_thread(build_models, cache)
     options = {"enable_torch_compile": True} if args.enable_torch_compile else {}
+    if args.num_continuous_decode_steps is not None:
+        options["num_continuous_decode_steps"] = args.num_continuous_decode_steps
     arbor = ArborSide(paths, options)
     peer_for = make_peer_factory(paths, args.llama_cpp_src, args.threads, cache)
     load = os.getloadavg()[0]

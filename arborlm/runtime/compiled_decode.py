@@ -225,6 +225,24 @@ class FusedDecodeStep:
         batch.logits_indices = None
         return self(batch, cascade_inputs(batch))
 
+    def run_ahead(self, batch: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens `[S, B]` of S = len(slots) decode steps run as one C++ call
+        (`arborlm::decode_steps`): step 0 is `batch`'s; step i feeds each request the argmax
+        of step i-1 at the next position and writes its keys to `slots[i]`. The scheduler has
+        written those slots to `req_to_token` (positions seq_lens - 1 + i) beforehand."""
+        ahead = slots.shape[0] - 1
+        batch.attn_metadata = compiled_decode_metadata(batch, ahead)
+        batch.logits_indices = None
+        meta: CompiledDecodeMeta = batch.attn_metadata
+        cascade = cascade_inputs(batch, ahead)
+        own, lens, prefix_slots, prefix_lens, groups = \
+            cascade if cascade is not None else (meta.slots, meta.seq_lens, None, None, None)
+        scale, heads, kv_heads, head_dim = self.shape
+        return torch.ops.arborlm.decode_steps(
+            batch.input_ids, batch.positions, slots, own, lens, self.weights, self.k_pool,
+            self.v_pool, self.cos, self.sin, self.eps, scale, heads, kv_heads, head_dim,
+            self.intermediate, prefix_slots, prefix_lens, groups)
+
     def __call__(self, batch: ForwardBatch, cascade: tuple | None = None) -> torch.Tensor:
         """Logits `[B, vocab]` float32 of a decode batch (metadata built), with the cascade
         groups `cascade_inputs` finds or without any."""
@@ -238,23 +256,25 @@ class FusedDecodeStep:
             kv_heads, head_dim, self.intermediate, prefix_slots, prefix_lens, groups)
 
 
-def cascade_inputs(batch: ForwardBatch) -> tuple | None:
+def cascade_inputs(batch: ForwardBatch, ahead: int = 0) -> tuple | None:
     """The fused step's cascade groups, as `torch_native.find_groups` finds them for eager
     decode: (own slots `[B, W]` (each request's keys after its group's prefix), own lengths
     `[B]`, prefix slots `[G, P]`, prefix lengths `[G]`, group of each request `[B]` (-1: none)),
-    or None where no group forms. Needs `compiled_decode_metadata`."""
+    or None where no group forms. Needs `compiled_decode_metadata` (with the same `ahead`: the
+    own slots then also hold the positions of that many steps after this one)."""
     if batch.batch_size < 2 or not _shares_a_prefix(batch):  # the cheap test first
         return None
     meta: CompiledDecodeMeta = batch.attn_metadata
     width = meta.slots.shape[1]
     pos = torch.arange(width, device=meta.slots.device)
-    slots = meta.slots * (pos[None, :] < batch.seq_lens[:, None])  # padding -> slot 0
+    held = batch.seq_lens + ahead
+    slots = meta.slots * (pos[None, :] < held[:, None])  # padding -> slot 0
     layout = torch_native.find_groups(slots, batch.seq_lens_cpu)
     if layout.num_groups == 0:
         return None
     offsets = torch.tensor(layout.offsets, device=slots.device)
     own_lens = batch.seq_lens - offsets
-    own_pos = (offsets[:, None] + pos[None, :int(own_lens.max())]).clamp_(max=width - 1)
+    own_pos = (offsets[:, None] + pos[None, :int(own_lens.max()) + ahead]).clamp_(max=width - 1)
     first = [layout.groups.index(g) for g in range(layout.num_groups)]
     prefix_lens = [layout.offsets[i] for i in first]
     prefix_slots = slots[first, :layout.prefix_width].contiguous()

@@ -86,6 +86,11 @@ class EngineArgs:
         "CPU: run decode steps through the model's modules (eagerly, or compiled with "
         "enable_torch_compile) instead of ArborLM's fused C++ step, which otherwise serves "
         "Llama, Llama 3, Mistral and Qwen2 models on AVX-512 CPUs.", default=False)
+    num_continuous_decode_steps: int | None = _doc(
+        "CPU fused decode: run this many decode steps of an all-greedy batch in one C++ call "
+        "(no scheduling between them; tokens then stream in groups, and a request arriving "
+        "meanwhile waits for the group). Default: as many as fit in ~50 ms of decoding, up to "
+        "8, while no request waits; 1 turns it off.", default=None)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
     grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
                                 "xgrammar or outlines (a request may pick its own).",
@@ -124,6 +129,9 @@ class EngineArgs:
             raise InvalidRequestError("page_size must be >= 1", "page_size")
         if self.cuda_graph_max_bs < 1:
             raise InvalidRequestError("cuda_graph_max_bs must be >= 1", "cuda_graph_max_bs")
+        if self.num_continuous_decode_steps is not None and self.num_continuous_decode_steps < 1:
+            raise InvalidRequestError("num_continuous_decode_steps must be >= 1",
+                                      "num_continuous_decode_steps")
         if self.torch_compile_max_bs < 1:
             raise InvalidRequestError("torch_compile_max_bs must be >= 1", "torch_compile_max_bs")
         if self.grammar_backend not in GRAMMAR_BACKENDS:

@@ -106,6 +106,21 @@ class ModelRunner:
         pages = -(-tokens // self.page_size) + 1  # +1: page 0 is the reserved padding page
         return pages * self.page_size
 
+    def can_run_ahead(self, batch: ForwardBatch) -> bool:
+        """Whether `run_ahead` takes this decode batch: a fused decode step serves it."""
+        if self.fused is not None:
+            return decode_fits(batch, self.config.args.max_running_requests, shared_prefix=True)
+        compiled = self.compiled
+        return compiled is not None and compiled.fused is not None \
+            and decode_fits(batch, compiled.max_bs, shared_prefix=True)
+
+    @torch.inference_mode()
+    def run_ahead(self, batch: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens `[S, B]` of S decode steps in one call, the first being `batch`'s
+        (`FusedDecodeStep.run_ahead`; `slots` `[S, B]`). Needs `can_run_ahead`."""
+        fused = self.fused if self.fused is not None else self.compiled.fused
+        return fused.run_ahead(batch, slots)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[N, vocab]` float32 for `batch.logits_indices` (all rows if None)."""

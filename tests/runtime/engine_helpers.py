@@ -57,13 +57,15 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 
 
 class DirectScheduler:
-    """A scheduler driven step by step from the test thread (no engine thread)."""
+    """A scheduler driven step by step from the test thread (no engine thread); each decode
+    step is one `step()` unless `num_continuous_decode_steps` says otherwise."""
 
     def __init__(self, path: str, **options):
         from arborlm.runtime.config import EngineArgs
         from arborlm.runtime.scheduler.scheduler import Scheduler
         from arborlm.runtime.tokenizer_utils import load_tokenizer
 
+        options.setdefault("num_continuous_decode_steps", 1)
         self.config = EngineArgs(model_path=path, dtype="float32", **options).resolve()
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.scheduler = Scheduler(self.config, self.tokenizer)

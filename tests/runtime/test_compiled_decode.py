@@ -35,8 +35,9 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch, atte
         monkeypatch.setattr(cpu_kernels, "attention_available", lambda dtype: False)
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # gate_up and lm_head
     path = str(make_tiny_model("qwen2"))
+    # One decode step per call: the test counts the steps that go through `forward`.
     engine = Engine(path, dtype="float32", enable_torch_compile=True, torch_compile_max_bs=2,
-                    debug_integrity=True)
+                    num_continuous_decode_steps=1, debug_integrity=True)
     kinds = [type(m) for m in engine.scheduler.runner.model.modules()]
     assert kinds.count(cpu_linear.PackedLinear) == 2 * 1 + 1
     assert kinds.count(cpu_linear.RowLinear) == 2 * 3

@@ -33,9 +33,10 @@ class CompiledDecodeMeta:
     seq_lens: torch.Tensor  # [B] int64 lengths after this step (positions >= length: masked)
 
 
-def compiled_decode_metadata(batch: ForwardBatch) -> CompiledDecodeMeta:
-    """Slot table of a decode batch: `req_to_token` rows cut to the longest sequence."""
-    width = max(batch.seq_lens_cpu)
+def compiled_decode_metadata(batch: ForwardBatch, ahead: int = 0) -> CompiledDecodeMeta:
+    """Slot table of a decode batch: `req_to_token` rows cut to the longest sequence (and
+    `ahead` more positions, for the steps that `FusedDecodeStep.run_ahead` runs after it)."""
+    width = max(batch.seq_lens_cpu) + ahead
     table = batch.req_to_token_pool.req_to_token
     if batch.batch_size == 1:
         slots = table[int(batch.req_pool_indices[0]), :width].unsqueeze(0)  # [1, L]

@@ -123,6 +123,15 @@ class ResultProcessor:
             if req.grammar is not None and not req.finished:
                 self._jump_forward(req)
 
+    def take_greedy(self, req: Req, tok: int) -> None:
+        """Append `tok`, chosen by a greedy step run ahead (`Scheduler._decode_ahead`) for a
+        request with no grammar, logprobs or logit changes, and check whether it finished: what
+        `_sample` does for such a request."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_ids.append(tok)
+        self._check_finished(req, tok)
+
     def _output_logprobs(self, req: Req, chosen: float, tok: int,
                          logprobs: torch.Tensor) -> None:
         """Logprob entries of the sampled `tok`; `logprobs` [1, V] is its row."""

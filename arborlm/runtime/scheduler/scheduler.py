@@ -48,6 +48,11 @@ GRAMMAR_WAIT_S = 0.005
 # decode step, so that small jumps do not turn every decode step of a large batch into an
 # extend (slower per row on CPU, and without the decode step's CUDA graph on GPU).
 JUMP_EXTEND_PER_REQUEST = 1.0
+# Continuous decode steps (`num_continuous_decode_steps` unset): a run of greedy decode steps in
+# one call lasts about this long at most (a request arriving meanwhile waits that long), and is
+# at most this many steps.
+AHEAD_BUDGET_S = 0.05
+AHEAD_MAX_STEPS = 8
 
 
 class Scheduler:
@@ -75,6 +80,7 @@ class Scheduler:
         self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "retractions": 0,
                       "decode_steps": 0, "prefill_steps": 0, "jump_forward_steps": 0}
         self._decoding = False  # the scheduled batch is a decode step (see `_schedule`)
+        self._step_s = 0.0  # wall time of the last decode step (per step, when run ahead)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -118,8 +124,15 @@ class Scheduler:
         if batch is not None:
             fb = batch.to_forward_batch(self.req_pool, self.runner.kv_pool,
                                         self._out_cache_loc, self.runner.device)
-            logits = self.runner.forward(fb)
-            self._process(batch, logits)
+            steps = self._steps_ahead(batch) if self._decoding else 1
+            start = time.perf_counter()
+            if steps > 1 and self.runner.can_run_ahead(fb):
+                steps = self._decode_ahead(batch, fb, steps)
+            else:
+                steps = 1
+                self._process(batch, self.runner.forward(fb))
+            if self._decoding:
+                self._step_s = (time.perf_counter() - start) / steps
         elif self.grammars.has_pending:
             self.grammars.wait(GRAMMAR_WAIT_S)
         outputs, self._outputs = self._outputs, []
@@ -301,6 +314,71 @@ class Scheduler:
         mode = ForwardMode.EXTEND if jump else ForwardMode.DECODE
         return ScheduledBatch(mode, reqs, prefix, extend, [True] * len(reqs),
                               [range(0)] * len(reqs))
+
+    # --- continuous decode steps ---------------------------------------------------------------
+
+    def _steps_ahead(self, batch: ScheduledBatch) -> int:
+        """How many decode steps `batch` may run in one call (`num_continuous_decode_steps`):
+        1 unless no request waits, the page size is 1 and every request samples greedily with
+        nothing that changes its logits (penalties, bias, a grammar, bans before
+        `min_new_tokens`) or wants logprobs; then as many as the option says (default: what
+        fits in `AHEAD_BUDGET_S` at the last step's speed, at most `AHEAD_MAX_STEPS`), and no
+        more than any request may still produce."""
+        if batch.mode is not ForwardMode.DECODE or self.page_size != 1 or len(self.waiting) \
+                or self.chunked_req is not None:
+            return 1
+        steps = self.args.num_continuous_decode_steps
+        if steps is None:
+            if self._step_s <= 0:
+                return 1
+            steps = max(1, min(AHEAD_MAX_STEPS, int(AHEAD_BUDGET_S / self._step_s)))
+        for req in batch.reqs:
+            p = req.sampling_params
+            if steps == 1 or not p.is_greedy or req.grammar is not None or req.return_logprob \
+                    or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 \
+                    or p.logit_bias or len(req.output_ids) < p.min_new_tokens \
+                    or req.total_len != req.computed_len + 1:
+                return 1
+            steps = min(steps, p.max_new_tokens - len(req.output_ids),
+                        self.config.model.context_length - req.total_len)
+        return max(steps, 1)
+
+    def _decode_ahead(self, batch: ScheduledBatch, fb: Any, steps: int) -> int:
+        """Run `steps` greedy decode steps of `batch` in one call and take their tokens as if
+        sampled step by step: a request that finishes stops taking them, and the slots of the
+        steps after its end are freed. Returns the steps run (fewer where the pool is short)."""
+        reqs, prefix = batch.reqs, batch.prefix_lens
+        extra = (steps - 1) * len(reqs)
+        self._make_room(extra)
+        if self.allocator.available_size() < extra:
+            self._process(batch, self.runner.forward(fb))
+            return 1
+        ahead = self.allocator.alloc_slots(extra).view(len(reqs), steps - 1)  # per request
+        for req, p, own in zip(reqs, prefix, ahead):
+            self.req_pool.write(req.req_pool_idx, p + 1, own)
+        slots = torch.cat([fb.out_cache_loc.view(1, -1), ahead.t()]).contiguous()
+        tokens = self.runner.run_ahead(fb, slots).tolist()
+        for step_tokens in tokens:
+            for req, tok in zip(reqs, step_tokens):
+                if not req.finished:
+                    req.computed_len += 1
+                    self.results.take_greedy(req, tok)
+        self.stats["decode_steps"] += steps
+        share = (self.decode_steps + steps) // CACHE_RUNNING_EVERY > \
+            self.decode_steps // CACHE_RUNNING_EVERY
+        self.decode_steps += steps
+        for req, p in zip(reqs, prefix):
+            if req.computed_len < p + steps:  # finished early: its later slots hold nothing
+                row = self.req_pool.req_to_token[req.req_pool_idx]
+                self.allocator.free(row[req.computed_len:p + steps].clone())
+            if req.finished:
+                self.running.remove(req)
+                self._finish(req)
+                continue
+            self._emit(req)
+            if share:
+                self.cache.cache_unfinished_req(req)
+        return steps
 
     def _retract_until_fits(self) -> None:
         def need() -> int:

@@ -15,6 +15,10 @@
 // the linears and attention are ArborLM's kernels. In float32 every rounding is exact. (Sums,
 // RMSNorm's and the linears', run in their own orders.)
 //
+// `arborlm::decode_steps` runs several greedy steps in one call, each feeding the argmax of the
+// last (`argmax_rows`, greedy sampling's own), so that a run of steps pays the scheduler's
+// per-step Python once (`num_continuous_decode_steps`).
+//
 // Weights per layer, in this order (`Tensor?[]`; a missing bias is None): input norm, qkv,
 // qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias, down, down bias; then the
 // embedding, the final norm and the head. The linears are `pack_panels` layouts, their biases
@@ -269,27 +273,38 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
   return linear(h, head, std::nullopt, embed.size(0)).to(at::kFloat);  // [rows, vocab]
 }
 
-at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
-                       const at::Tensor& slot, const at::Tensor& slots, const at::Tensor& lens,
-                       const c10::List<std::optional<at::Tensor>>& weights,
-                       at::TensorList k_pool, at::TensorList v_pool,
-                       const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
-                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t intermediate, const std::optional<at::Tensor>& prefix_slots,
-                       const std::optional<at::Tensor>& prefix_lens,
-                       const std::optional<at::Tensor>& groups) {
+// The checked inputs of a call: the weights (a missing optional one as nullopt), the pools,
+// the activation dtype and the cascade groups (if any).
+struct Inputs {
+  std::vector<std::optional<at::Tensor>> w;
+  std::vector<at::Tensor> k_pool, v_pool;
+  at::ScalarType dtype;
+  bool cascade;
+  Cascade groups;
+};
+
+// Checks everything but the per-step slots (`check_slots`) and tokens (`step` checks those).
+Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const at::Tensor& slots,
+                    const at::Tensor& lens, const c10::List<std::optional<at::Tensor>>& weights,
+                    at::TensorList k_pool, at::TensorList v_pool, const at::Tensor& cos_table,
+                    const at::Tensor& sin_table, int64_t heads, int64_t kv_heads,
+                    int64_t head_dim, int64_t intermediate,
+                    const std::optional<at::Tensor>& prefix_slots,
+                    const std::optional<at::Tensor>& prefix_lens,
+                    const std::optional<at::Tensor>& groups) {
   const int64_t layers = static_cast<int64_t>(k_pool.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_pool.size()) == layers,
               "decode_step: one K and one V pool per layer expected");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer + 3,
               "decode_step: ", layers * kPerLayer + 3, " weights expected for ", layers,
               " layers, got ", weights.size());
-  std::vector<std::optional<at::Tensor>> w;
-  w.reserve(weights.size());
+  Inputs in;
+  in.w.reserve(weights.size());
   for (size_t i = 0; i < weights.size(); ++i) {
     std::optional<at::Tensor> t = weights.get(i);
-    w.push_back(t.has_value() && t->defined() ? t : std::nullopt);
+    in.w.push_back(t.has_value() && t->defined() ? t : std::nullopt);
   }
+  const auto& w = in.w;
   for (int64_t l = 0; l <= layers; ++l) {
     const std::vector<int64_t> required = l < layers
         ? std::vector<int64_t>{0, 1, 3, 5, 6, 8}
@@ -299,53 +314,125 @@ at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
                   " is missing");
   }
   const int64_t rows = token.numel();
-  TORCH_CHECK(rows > 0 && position.numel() == rows && slot.numel() == rows &&
-                  token.is_contiguous() && position.is_contiguous() && slot.is_contiguous() &&
-                  token.scalar_type() == at::kLong && position.scalar_type() == at::kLong &&
-                  slot.scalar_type() == at::kLong,
+  TORCH_CHECK(rows > 0 && position.numel() == rows && token.is_contiguous() &&
+                  position.is_contiguous() && token.scalar_type() == at::kLong &&
+                  position.scalar_type() == at::kLong,
               "decode_step: token, position and slot must be one int64 per request");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == rows && lens.numel() == rows,
               "decode_step: slots must be [", rows, ", W] and lens [", rows, "]");
   TORCH_CHECK(head_dim % 2 == 0 && cos_table.size(1) == head_dim && sin_table.size(1) == head_dim,
               "decode_step: rotary tables must be [P, ", head_dim, "]");
-  const std::vector<at::Tensor> kp(k_pool.begin(), k_pool.end());
-  const std::vector<at::Tensor> vp(v_pool.begin(), v_pool.end());
+  in.k_pool.assign(k_pool.begin(), k_pool.end());
+  in.v_pool.assign(v_pool.begin(), v_pool.end());
+  const auto& kp = in.k_pool;
+  const auto& vp = in.v_pool;
   for (int64_t l = 0; l < layers; ++l)
     TORCH_CHECK(kp[l].is_contiguous() && vp[l].is_contiguous() && kp[l].dim() == 3 &&
                     kp[l].size(1) == kv_heads && kp[l].size(2) == head_dim &&
                     vp[l].sizes() == kp[l].sizes(),
                 "decode_step: the pools must be contiguous [S, ", kv_heads, ", ", head_dim, "]");
-  for (int64_t b = 0; b < rows; ++b) {
-    const int64_t where = slot.data_ptr<int64_t>()[b];
-    TORCH_CHECK(where >= 0 && where < kp[0].size(0), "decode_step: slot ", where,
-                " outside the pool");
-  }
-  const at::ScalarType dtype = w[layers * kPerLayer]->scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "decode_step: float32 or bfloat16 only, got ", dtype);
+  in.dtype = w[layers * kPerLayer]->scalar_type();
+  TORCH_CHECK(in.dtype == at::kFloat || in.dtype == at::kBFloat16,
+              "decode_step: float32 or bfloat16 only, got ", in.dtype);
   const int64_t hidden = w[layers * kPerLayer]->size(1), vocab = w[layers * kPerLayer]->size(0);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t i = l * kPerLayer;
-    check_linear(*w[i + 1], w[i + 2], dtype, hidden, q_size + 2 * kv_size, i + 1);
-    check_linear(*w[i + 3], w[i + 4], dtype, q_size, hidden, i + 3);
-    check_linear(*w[i + 6], w[i + 7], dtype, hidden, 2 * intermediate, i + 6);
-    check_linear(*w[i + 8], w[i + 9], dtype, intermediate, hidden, i + 8);
+    check_linear(*w[i + 1], w[i + 2], in.dtype, hidden, q_size + 2 * kv_size, i + 1);
+    check_linear(*w[i + 3], w[i + 4], in.dtype, q_size, hidden, i + 3);
+    check_linear(*w[i + 6], w[i + 7], in.dtype, hidden, 2 * intermediate, i + 6);
+    check_linear(*w[i + 8], w[i + 9], in.dtype, intermediate, hidden, i + 8);
   }
-  check_linear(*w[layers * kPerLayer + 2], std::nullopt, dtype, hidden, vocab,
+  check_linear(*w[layers * kPerLayer + 2], std::nullopt, in.dtype, hidden, vocab,
                layers * kPerLayer + 2);
-  const bool cascade = prefix_slots.has_value() && prefix_slots->defined();
-  TORCH_CHECK(cascade == (prefix_lens.has_value() && prefix_lens->defined()) &&
-                  cascade == (groups.has_value() && groups->defined()),
+  in.cascade = prefix_slots.has_value() && prefix_slots->defined();
+  TORCH_CHECK(in.cascade == (prefix_lens.has_value() && prefix_lens->defined()) &&
+                  in.cascade == (groups.has_value() && groups->defined()),
               "decode_step: prefix_slots, prefix_lens and groups come together");
-  Cascade groups_in;
-  if (cascade) groups_in = {*prefix_slots, *prefix_lens, *groups};
-  const Cascade* cp = cascade ? &groups_in : nullptr;
-  if (dtype == at::kFloat)
-    return step<float>(token, position, slot, slots, lens, w, kp, vp, cos_table, sin_table, eps,
-                       scale, heads, kv_heads, head_dim, intermediate, cp);
-  return step<c10::BFloat16>(token, position, slot, slots, lens, w, kp, vp, cos_table,
-                             sin_table, eps, scale, heads, kv_heads, head_dim, intermediate, cp);
+  if (in.cascade) in.groups = {*prefix_slots, *prefix_lens, *groups};
+  return in;
+}
+
+// Every slot a step writes its new keys to must be a pool row.
+void check_slots(const at::Tensor& slot, int64_t pool_rows) {
+  TORCH_CHECK(slot.is_contiguous() && slot.scalar_type() == at::kLong,
+              "decode_step: token, position and slot must be one int64 per request");
+  const int64_t* where = slot.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot.numel(); ++i)
+    TORCH_CHECK(where[i] >= 0 && where[i] < pool_rows, "decode_step: slot ", where[i],
+                " outside the pool");
+}
+
+at::Tensor run_step(const Inputs& in, const at::Tensor& token, const at::Tensor& position,
+                    const at::Tensor& slot, const at::Tensor& slots, const at::Tensor& lens,
+                    const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
+                    double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t intermediate) {
+  const Cascade* cp = in.cascade ? &in.groups : nullptr;
+  if (in.dtype == at::kFloat)
+    return step<float>(token, position, slot, slots, lens, in.w, in.k_pool, in.v_pool,
+                       cos_table, sin_table, eps, scale, heads, kv_heads, head_dim, intermediate,
+                       cp);
+  return step<c10::BFloat16>(token, position, slot, slots, lens, in.w, in.k_pool, in.v_pool,
+                             cos_table, sin_table, eps, scale, heads, kv_heads, head_dim,
+                             intermediate, cp);
+}
+
+at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
+                       const at::Tensor& slot, const at::Tensor& slots, const at::Tensor& lens,
+                       const c10::List<std::optional<at::Tensor>>& weights,
+                       at::TensorList k_pool, at::TensorList v_pool,
+                       const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
+                       double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t intermediate, const std::optional<at::Tensor>& prefix_slots,
+                       const std::optional<at::Tensor>& prefix_lens,
+                       const std::optional<at::Tensor>& groups) {
+  const Inputs in = check_inputs(token, position, slots, lens, weights, k_pool, v_pool,
+                                 cos_table, sin_table, heads, kv_heads, head_dim, intermediate,
+                                 prefix_slots, prefix_lens, groups);
+  TORCH_CHECK(slot.numel() == token.numel(),
+              "decode_step: token, position and slot must be one int64 per request");
+  check_slots(slot, in.k_pool[0].size(0));
+  return run_step(in, token, position, slot, slots, lens, cos_table, sin_table, eps, scale, heads,
+                  kv_heads, head_dim, intermediate);
+}
+
+// `steps` greedy decode steps in one call: step i feeds each request the argmax of step i-1's
+// logits (step 0: `token`) at position + i, writes its keys to slot[i, b] and attends to the
+// first lens[b] + i keys of its `slots` row (which must already hold every step's slot).
+// Returns the chosen tokens [steps, B] (`argmax_rows`, greedy sampling's own argmax).
+at::Tensor decode_steps(const at::Tensor& token, const at::Tensor& position,
+                        const at::Tensor& slot, const at::Tensor& slots, const at::Tensor& lens,
+                        const c10::List<std::optional<at::Tensor>>& weights,
+                        at::TensorList k_pool, at::TensorList v_pool,
+                        const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
+                        double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                        int64_t intermediate, const std::optional<at::Tensor>& prefix_slots,
+                        const std::optional<at::Tensor>& prefix_lens,
+                        const std::optional<at::Tensor>& groups) {
+  const Inputs in = check_inputs(token, position, slots, lens, weights, k_pool, v_pool,
+                                 cos_table, sin_table, heads, kv_heads, head_dim, intermediate,
+                                 prefix_slots, prefix_lens, groups);
+  const int64_t rows = token.numel();
+  TORCH_CHECK(slot.dim() == 2 && slot.size(0) >= 1 && slot.size(1) == rows,
+              "decode_steps: slot must be [steps, ", rows, "], got ", slot.sizes());
+  check_slots(slot, in.k_pool[0].size(0));
+  const int64_t steps = slot.size(0);
+  const at::Tensor first_lens = lens.to(at::kLong).contiguous();
+  const int64_t longest =
+      *std::max_element(first_lens.data_ptr<int64_t>(), first_lens.data_ptr<int64_t>() + rows);
+  TORCH_CHECK(longest + steps - 1 <= slots.size(1), "decode_steps: ", steps,
+              " steps need slot rows of ", longest + steps - 1, ", got ", slots.size(1));
+  at::Tensor chosen = at::empty({steps, rows}, token.options());
+  at::Tensor tok = token;
+  for (int64_t i = 0; i < steps; ++i) {
+    const at::Tensor logits =
+        run_step(in, tok, position + i, slot[i], slots, first_lens + i, cos_table, sin_table,
+                 eps, scale, heads, kv_heads, head_dim, intermediate);
+    chosen[i].copy_(arborlm_cpu::argmax_rows(logits));
+    tok = chosen[i];
+  }
+  return chosen;
 }
 
 }  // namespace
@@ -356,6 +443,14 @@ TORCH_LIBRARY_FRAGMENT(arborlm, m) {
         "Tensor sin_table, float eps, float scale, int heads, int kv_heads, int head_dim, "
         "int intermediate, Tensor? prefix_slots=None, Tensor? prefix_lens=None, "
         "Tensor? groups=None) -> Tensor");
+  m.def("decode_steps(Tensor token, Tensor position, Tensor slot, Tensor slots, Tensor lens, "
+        "Tensor?[] weights, Tensor(a!)[] k_pool, Tensor(b!)[] v_pool, Tensor cos_table, "
+        "Tensor sin_table, float eps, float scale, int heads, int kv_heads, int head_dim, "
+        "int intermediate, Tensor? prefix_slots=None, Tensor? prefix_lens=None, "
+        "Tensor? groups=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(arborlm, CPU, m) { m.impl("decode_step", &decode_step); }
+TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
+  m.impl("decode_step", &decode_step);
+  m.impl("decode_steps", &decode_steps);
+}

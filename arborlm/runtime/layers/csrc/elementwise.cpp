@@ -23,6 +23,7 @@
 #include <limits>
 #include <optional>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -147,6 +148,10 @@ __attribute__((target("avx512f"))) int64_t argmax_row(const float* x, int64_t n)
   return 0;  // unreachable: the maximum is one of the row's values
 }
 
+}  // namespace
+
+namespace arborlm_cpu {
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "argmax_rows: float32 CPU tensors only, got ", x.scalar_type());
@@ -164,7 +169,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace arborlm_cpu
 
 TORCH_LIBRARY_FRAGMENT(arborlm, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
@@ -175,5 +180,5 @@ TORCH_LIBRARY_FRAGMENT(arborlm, m) {
 TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("argmax_rows", &argmax_rows);
+  m.impl("argmax_rows", &arborlm_cpu::argmax_rows);
 }

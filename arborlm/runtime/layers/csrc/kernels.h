@@ -36,4 +36,8 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q,
                                                     const at::Tensor& prefix_lens,
                                                     const at::Tensor& groups, double scale);
 
+// elementwise.cpp: each row's argmax [B] int64 of x [B, V] float32 (the first where the maximum
+// repeats; a NaN wins, as torch.argmax): greedy sampling's.
+at::Tensor argmax_rows(const at::Tensor& x);
+
 }  // namespace arborlm_cpu
