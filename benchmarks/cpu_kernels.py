@@ -13,6 +13,10 @@ each) and prints both medians and the peer/ours ratio (above 1: ours is faster):
   decode attention batch 32, 8 heads over 4 KV heads, ~96 of 192 keys per request (the decode
                    workspace's padded layout): `decode_attention` against two batched matmuls
                    around a float32 softmax (the path it replaced)
+  paged attention  one decode step's attention over the paged pool: 32 requests x 96 keys, 8
+                   layers' pools (50 MB of float32 keys and values: read from memory, not
+                   cache), slots interleaved as decode hands them out: `decode_attention_paged`
+                   against gathering the keys (`index_select`) and the bmm path above
   causal attention a 512-token prompt's attention, 8 heads over 4 KV heads (one layer):
                    `causal_attention` against `scaled_dot_product_attention(is_causal=True)`
                    (ATen's CPU flash kernel, what prefill called before)
@@ -140,6 +144,41 @@ def attention_row(dtype: torch.dtype, repeats: int, calls: int) -> tuple:
             f"{a * 1e6:.0f} us", f"bmm-softmax-bmm {p * 1e6:.0f} us", f"{r:.2f}x")
 
 
+def paged_row(dtype: torch.dtype, repeats: int, calls: int) -> tuple:
+    bsz, keys, prompt, slots_per_layer = 32, 96, 32, 16384
+    gen = torch.Generator().manual_seed(2)
+    pools = [(torch.randn(slots_per_layer, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+              torch.randn(slots_per_layer, KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
+             for _ in range(LAYERS)]
+    q = torch.randn(bsz, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    # Each prompt's slots together, then one slot per request per decode step.
+    slots = torch.cat([torch.arange(bsz)[:, None] * prompt + torch.arange(prompt)[None],
+                       bsz * prompt + torch.arange(keys - prompt)[None] * bsz
+                       + torch.arange(bsz)[:, None]], dim=1)
+    lens = torch.full((bsz,), keys)
+    scale, group = HEAD_DIM ** -0.5, HEADS // KV_HEADS
+
+    def ours() -> None:
+        for k, v in pools:
+            cpu_kernels.decode_attention_paged(q, k, v, slots, lens, scale)
+
+    def gathered() -> None:
+        qh = q.view(bsz * KV_HEADS, group, HEAD_DIM)  # (request, KV head) rows, as above
+        for k, v in pools:
+            kg = k.index_select(0, slots.view(-1)).view(bsz, keys, KV_HEADS, HEAD_DIM)
+            vg = v.index_select(0, slots.view(-1)).view(bsz, keys, KV_HEADS, HEAD_DIM)
+            kg = kg.transpose(1, 2).reshape(bsz * KV_HEADS, keys, HEAD_DIM)
+            vg = vg.transpose(1, 2).reshape(bsz * KV_HEADS, keys, HEAD_DIM)
+            s = torch.bmm(qh, kg.transpose(1, 2)).float().mul_(scale)
+            torch.bmm(torch.softmax(s, dim=-1).to(dtype), vg)
+
+    a, p, r = compare(ours, gathered, repeats, calls)
+    mb = 2 * LAYERS * bsz * keys * KV_HEADS * HEAD_DIM * pools[0][0].element_size() / 1e6
+    return ("paged attention", str(dtype).removeprefix("torch."), f"B=32, 96 keys, {LAYERS} layers",
+            f"{a * 1e3:.2f} ms ({mb / 1e3 / a:.0f} GB/s)", f"gather + bmm {p * 1e3:.2f} ms",
+            f"{r:.2f}x")
+
+
 def causal_row(dtype: torch.dtype, repeats: int, calls: int, tokens: int = 512) -> tuple:
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -217,6 +256,7 @@ def main() -> None:
             if cpu_kernels.available(dtype):
                 rows += panel_rows(dtype, args.repeats, args.calls)
             rows.append(attention_row(dtype, args.repeats, args.calls))
+            rows.append(paged_row(dtype, args.repeats, max(1, args.calls // 4)))
             rows.append(causal_row(dtype, args.repeats, max(1, args.calls // 4)))
         rows += elementwise_rows(args.repeats, args.calls)
         rows += argmax_rows(args.repeats, args.calls)
