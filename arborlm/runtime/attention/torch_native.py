@@ -8,8 +8,9 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
   K/V straight from the projection (no read of the pool); one on a prefix gathers its slots
   once per layer. On a CPU, requests of one extend batch on
   the same cached prefix (at least `CASCADE_MIN_PREFIX` shared slots) attend together instead
-  (cascade extend): the shared prefix once for all their new tokens, their own keys padded in
-  one more call, the parts merged by the log-sum-exps of ATen's CPU flash kernel
+  (cascade extend): the shared prefix once for all their new tokens (with AVX-512, ArborLM's
+  `cpu_kernels.prefix_attention` straight from the pool), their own keys padded in one more
+  call, the parts merged by their log-sum-exps (ATen's CPU flash kernel gives them too)
   (`cascade.py`, which also finds the groups that cascade decode reads once).
 - Decode gathers every request's keys into one padded batch, laid out KV-head-major
   (`[Hkv * B, L, D]`), with a single `index_select` on the pool viewed as rows of one head;
@@ -195,7 +196,7 @@ class TorchNativeBackend(AttentionBackend):
         starts = meta.starts
         grouped = set()
         for group in meta.groups:
-            attend_extend_group(q, k_buf, v_buf, layer, group, out)
+            attend_extend_group(q, k_buf, v_buf, layer, group, out, kernel)
             grouped.update(group.members)
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             if i in grouped:

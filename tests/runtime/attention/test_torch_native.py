@@ -130,12 +130,18 @@ def test_cascade_decode_over_several_groups(layout, dtype, monkeypatch, decode_p
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("layout", ["gqa2", "mha", "mqa"])
-def test_cascade_extend_over_shared_prefixes(layout, dtype, monkeypatch):
+def test_cascade_extend_over_shared_prefixes(layout, dtype, monkeypatch, decode_path):
     """An extend batch with two groups on cached prefixes (one member's prefix longer than the
     shared part), a request on an unshared prefix and a fresh prompt: each group's prefix is
-    attended once for all its members, and every row matches the reference."""
+    attended once for all its members (by `cpu_kernels.prefix_attention` where the kernels run,
+    else ATen's flash kernel), and every row matches the reference."""
     heads, kv_heads, head_dim = LAYOUTS[layout]
     monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    prefix_calls = []
+    prefix_attention = cpu_kernels.prefix_attention
+    monkeypatch.setattr(cpu_kernels, "prefix_attention",
+                        lambda *args: prefix_calls.append(args[0].shape[0])
+                        or prefix_attention(*args))
     case = make_case([20, 31, 12, 25, 40, 9, 0], [5, 1, 7, 3, 4, 6, 8], heads, kv_heads,
                      head_dim, 1, dtype, seed=21)
     _share_prefix(case, 12, [0, 1, 2])  # member 1's prefix runs 19 tokens past the shared 12
@@ -144,6 +150,8 @@ def test_cascade_extend_over_shared_prefixes(layout, dtype, monkeypatch):
     groups = case.batch.attn_metadata.groups
     assert sorted((g.members, g.slots.numel()) for g in groups) == [([0, 1, 2], 12),
                                                                      ([3, 4], 24)]
+    # The new tokens of each group's members, once per group.
+    assert sorted(prefix_calls) == ([3 + 4, 5 + 1 + 7] if decode_path == "kernel" else [])
     assert_close(out, dense_reference(case).to(dtype), dtype)
 
 
