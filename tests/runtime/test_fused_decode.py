@@ -88,6 +88,28 @@ def test_eager_engines_decode_through_the_fused_step(make_tiny_model, monkeypatc
     _check_equal(path, dtype, fused, eager)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wide_batches_split_the_row_work_over_threads(make_tiny_model, monkeypatch, dtype):
+    """20 requests at once: the fused step's per-row work (norms, rotary, SwiGLU, key stores)
+    runs on both threads from 16 rows up; tokens and logprobs equal the eager engine's."""
+    if dtype == "bfloat16" and not cpu_kernels.available(torch.bfloat16):
+        pytest.skip("this CPU lacks AVX512-BF16")
+    path = str(make_tiny_model("llama"))
+    prompts = [[(3 * i + 7 * j) % 300 + 6 for i in range(5 + j)] for j in range(20)]
+    params = [dict(GREEDY, max_new_tokens=6 + j % 5) for j in range(20)]
+    calls = _count_fused_steps(monkeypatch)
+    with Engine(path, dtype=dtype, num_continuous_decode_steps=1) as engine:
+        fused = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    assert max(calls) == 20
+    monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
+    with Engine(path, dtype=dtype) as engine:
+        eager = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    for f, e in zip(fused, eager):
+        assert f["output_ids"] == e["output_ids"]
+        tol = 1e-4 if dtype == "float32" else 2e-2
+        assert _logprobs(f) == pytest.approx(_logprobs(e), abs=tol)
+
+
 def _count_fused_steps(monkeypatch) -> list[int]:
     """The batch size of every fused decode step from now on, in order."""
     calls: list[int] = []
