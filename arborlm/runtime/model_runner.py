@@ -111,8 +111,7 @@ class ModelRunner:
         if self.fused is not None:
             return decode_fits(batch, self.config.args.max_running_requests, shared_prefix=True)
         compiled = self.compiled
-        return compiled is not None and compiled.fused is not None \
-            and decode_fits(batch, compiled.max_bs, shared_prefix=True)
+        return compiled is not None and compiled.fused is not None and compiled.can_run(batch)
 
     @torch.inference_mode()
     def run_ahead(self, batch: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:

@@ -364,20 +364,12 @@ class Scheduler:
                     req.computed_len += 1
                     self.results.take_greedy(req, tok)
         self.stats["decode_steps"] += steps
-        share = (self.decode_steps + steps) // CACHE_RUNNING_EVERY > \
-            self.decode_steps // CACHE_RUNNING_EVERY
-        self.decode_steps += steps
+        share = self._count_decode_steps(steps)
         for req, p in zip(reqs, prefix):
             if req.computed_len < p + steps:  # finished early: its later slots hold nothing
                 row = self.req_pool.req_to_token[req.req_pool_idx]
-                self.allocator.free(row[req.computed_len:p + steps].clone())
-            if req.finished:
-                self.running.remove(req)
-                self._finish(req)
-                continue
-            self._emit(req)
-            if share:
-                self.cache.cache_unfinished_req(req)
+                self.allocator.free(row[req.computed_len:p + steps])
+            self._settle_decoded(req, share)
         return steps
 
     def _retract_until_fits(self) -> None:
@@ -411,20 +403,31 @@ class Scheduler:
         logger.debug("retracted %s", req.rid)
 
     def _after_decode(self, batch: ScheduledBatch) -> None:
-        self.decode_steps += 1
-        share = self.decode_steps % CACHE_RUNNING_EVERY == 0
+        share = self._count_decode_steps(1)
         jumped = batch.mode is ForwardMode.EXTEND  # forced tokens computed without steps
         for req, ext in zip(batch.reqs, batch.extend_lens):
             req.computed_len += ext
             if jumped:
                 req.jump_forward_steps += ext - 1
-            if req.finished:
-                self.running.remove(req)
-                self._finish(req)
-                continue
-            self._emit(req)
-            if share:
-                self.cache.cache_unfinished_req(req)
+            self._settle_decoded(req, share)
+
+    def _count_decode_steps(self, steps: int) -> bool:
+        """Count `steps` decode steps; whether they reach a multiple of `CACHE_RUNNING_EVERY`
+        (running requests then share their KV through the cache)."""
+        before = self.decode_steps
+        self.decode_steps += steps
+        return self.decode_steps // CACHE_RUNNING_EVERY > before // CACHE_RUNNING_EVERY
+
+    def _settle_decoded(self, req: Req, share: bool) -> None:
+        """After a decode step (or run): finish `req` if it finished, else report its new
+        tokens and, with `share`, make its KV findable in the cache."""
+        if req.finished:
+            self.running.remove(req)
+            self._finish(req)
+            return
+        self._emit(req)
+        if share:
+            self.cache.cache_unfinished_req(req)
 
     # --- finishing ----------------------------------------------------------------------------
 
