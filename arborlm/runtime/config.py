@@ -39,7 +39,9 @@ class EngineArgs:
     """User-facing options. `None` / "auto" values are resolved by `resolve()`."""
 
     model_path: str | None = _doc(
-        "Hugging Face model directory; default: the built-in default model (random weights).",
+        "A Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct (Q4_1 "
+        "GGUF, fetched once into the cache). random-llama-40m names the built-in random-weight "
+        "model (gibberish, no network).",
         default=None)
     tokenizer_path: str | None = _doc("Tokenizer directory; default: the model directory.",
                                       default=None)
@@ -108,9 +110,9 @@ class EngineArgs:
                                  default=False)
 
     def resolve(self) -> EngineConfig:
-        from arborlm.runtime.models.factory import default_model_path
+        from arborlm.runtime.models.builtin import resolve_model_path
 
-        model_path = self.model_path or str(default_model_path())
+        model_path = resolve_model_path(self.model_path)
         dtype = self.dtype
         if dtype == "auto" and self.device == "cpu" and cpu_has_native_bf16():
             dtype = "bfloat16"

@@ -1,6 +1,7 @@
 """`Engine`: ArborLM's one generation API.
 
-`Engine(model_path=None, **options)` loads a model (None = the built-in default model) and
+`Engine(model_path=None, **options)` loads a model (None = SmolLM2-135M-Instruct,
+fetched once into the cache; see `models/builtin.py`) and
 serves `generate(...)` (blocking) and `async_generate(...)` (awaitable, or an async iterator of
 chunks with `stream=True`), returning the native API's response shape (`text`, `output_ids`,
 `meta_info`). Option names follow SGLang's server arguments (see `EngineArgs`).

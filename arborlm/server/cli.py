@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over HTTP: SGLang's native API (/generate, ...) and an "
                     "OpenAI-compatible API (/v1/completions, /v1/chat/completions).")
     parser.add_argument("--model-path", default=None,
-                        help="Hugging Face model directory (default: the built-in default "
-                             "model, random weights).")
+                        help="Hugging Face model directory or .gguf file (default: "
+                             "SmolLM2-135M-Instruct, fetched once into the cache; "
+                             "random-llama-40m: the built-in random-weight model).")
     _add_fields(parser.add_argument_group("server"), ServerArgs)
     _add_fields(parser.add_argument_group("engine"), EngineArgs, skip=("model_path",))
     return parser
@@ -84,7 +85,7 @@ def serve_main(argv: list[str]) -> int:
     from arborlm.errors import InvalidRequestError, ModelLoadError
     from arborlm.runtime.engine import create_client
 
-    logger.info("loading %s (engine: %s)", engine_args.model_path or "the default model",
+    logger.info("loading %s (engine: %s)", engine_args.model_path or "the default model (SmolLM2-135M-Instruct)",
                 server_args.engine_mode)
     try:
         client = create_client(engine_args, server_args.engine_mode)

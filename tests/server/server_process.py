@@ -1,6 +1,7 @@
 """A real ArborLM server in a subprocess, for the server tests.
 
-`running_server(model_path, *flags)` starts `python -m arborlm.server` on a free loopback port
+`running_server(model_path, *flags)` starts `python -m arborlm.server` (without `--model-path`
+when `model_path` is None: the default model) on a free loopback port
 (`--port 0`; the port is read from the server's ready line), waits until `/health` answers, and
 on exit stops it with SIGTERM and asserts that it exited with status 0 and left no child
 process behind. The server's log goes to a temporary file, printed when startup fails. The
@@ -30,9 +31,10 @@ STOP_TIMEOUT_S = 60.0
 
 
 class ServerProcess:
-    def __init__(self, model_path: str | Path, flags: list[str]):
+    def __init__(self, model_path: str | Path | None, flags: list[str]):
         self.log = Path(tempfile.mkstemp(prefix="arborlm-server-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "arborlm.server", "--model-path", str(model_path),
+        model = [] if model_path is None else ["--model-path", str(model_path)]
+        cmd = [sys.executable, "-m", "arborlm.server", *model,
                "--host", "127.0.0.1", "--port", "0", *flags]
         if os.environ.get("ARBORLM_TEST_ENGINE_MODE"):
             cmd += ["--engine-mode", os.environ["ARBORLM_TEST_ENGINE_MODE"]]
@@ -87,7 +89,7 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(model_path: str | Path, *flags: str) -> Iterator[ServerProcess]:
+def running_server(model_path: str | Path | None, *flags: str) -> Iterator[ServerProcess]:
     server = ServerProcess(model_path, list(flags))
     try:
         server.wait_ready()

@@ -126,7 +126,7 @@ def _quiet_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _cached_build(final: Path, build: Callable[[Path], None]) -> Path:
+def cached_build(final: Path, build: Callable[[Path], None]) -> Path:
     """Return `final`, first running `build(tmp_dir)` and renaming it there if not yet complete.
 
     Readers take the fast path (the marker exists) without locking; builders serialize on a lock
@@ -188,7 +188,7 @@ def build_tokenizer(vocab_size: int, out_dir: str | Path | None = None) -> PreTr
     from transformers import PreTrainedTokenizerFast
 
     cached = cache_root() / "tokenizers" / f"bpe-{vocab_size}-{FACTORY_VERSION}"
-    _cached_build(cached, lambda d: _train_tokenizer(vocab_size, d))
+    cached_build(cached, lambda d: _train_tokenizer(vocab_size, d))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cached))
     if out_dir is not None:
         tokenizer.save_pretrained(str(out_dir))
@@ -340,7 +340,7 @@ def tiny_model(arch: str = "llama", **overrides: Any) -> Path:
     key = json.dumps({"arch": arch, **kwargs}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     final = cache_root() / "models" / f"tiny-{arch}-{digest}-{FACTORY_VERSION}"
-    return _cached_build(final, lambda d: build_model(d, arch, **kwargs))
+    return cached_build(final, lambda d: build_model(d, arch, **kwargs))
 
 
 def _build_default(path: Path) -> None:
@@ -351,7 +351,7 @@ def _build_default(path: Path) -> None:
 
 def default_model_path() -> Path:
     """The default model's directory (LlamaForCausalLM, 32,000 vocab), built on first use."""
-    return _cached_build(cache_root() / "models" / DEFAULT_MODEL_NAME, _build_default)
+    return cached_build(cache_root() / "models" / DEFAULT_MODEL_NAME, _build_default)
 
 
 def main() -> None:
