@@ -16,8 +16,10 @@ def _generate(argv: list[str]) -> int:
                     "fetched once into the cache).")
     parser.add_argument("prompt", nargs="*", default=None, help="prompt(s); default: two demo "
                         "prompts")
-    parser.add_argument("--model-path", default=None, help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct; "
-                        "random-llama-40m: the built-in random-weight model)")
+    parser.add_argument("--model-path", default=None,
+                        help="Hugging Face model directory or .gguf file (default: "
+                             "SmolLM2-135M-Instruct; random-llama-40m: the built-in "
+                             "random-weight model)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto")

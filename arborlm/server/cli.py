@@ -85,7 +85,8 @@ def serve_main(argv: list[str]) -> int:
     from arborlm.errors import InvalidRequestError, ModelLoadError
     from arborlm.runtime.engine import create_client
 
-    logger.info("loading %s (engine: %s)", engine_args.model_path or "the default model (SmolLM2-135M-Instruct)",
+    logger.info("loading %s (engine: %s)",
+                engine_args.model_path or "the default model (SmolLM2-135M-Instruct)",
                 server_args.engine_mode)
     try:
         client = create_client(engine_args, server_args.engine_mode)
