@@ -1,6 +1,6 @@
 """How the examples choose where to run: `--url` for an ArborLM server (or any server with the
-same native API), else an in-process engine on `--model-path` (default: the built-in default
-model, whose weights are random — the programs run for real, the words they produce are noise).
+same native API), else an in-process engine on `--model-path` (default: SmolLM2-135M-Instruct,
+fetched once into ArborLM's cache).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 def backend_from_args(description: str, argv: list[str] | None = None) -> Any:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--url", default=None, help="server URL, e.g. http://127.0.0.1:30000")
-    parser.add_argument("--model-path", default=None, help="model directory (in-process)")
+    parser.add_argument("--model-path", default=None, help="model directory or .gguf file "
+                        "(in-process)")
     args = parser.parse_args(argv)
     import arborlm
 
