@@ -1,13 +1,13 @@
 """JSON-schema outputs of the real model on 50 real-world schemas: every finished output is valid.
 
-The schemas are the first 50 of JSONSchemaBench's dev sample (`shared/data/jsonschemabench-dev.jsonl`
-beside the repository; the test skips without it). The prompt shows the schema in a chat turn;
-decoding is greedy with at most `MAX_NEW_TOKENS` tokens. Every output that finishes must parse
-and validate against its schema (`jsonschema`), and the share that finishes must be no lower
+The schemas are the first 50 of JSONSchemaBench's dev sample (`shared/data/jsonschemabench-
+dev.jsonl` beside the repository; the test skips without it). The prompt shows the schema in a chat
+turn; decoding is greedy with at most `MAX_NEW_TOKENS` tokens. Every output that finishes must
+parse and validate against its schema (`jsonschema`), and the share that finishes must be no lower
 than transformers' with xgrammar's logits processor at the same settings (same file in float32,
-same prompts, same limit), measured by `benchmarks/real_model_json.py --reference`, whose
-figure `REFERENCE_FINISHED` records (transformers takes ~10 minutes for it on 2 cores: too long
-for the test suite).
+same prompts, same limit), measured by `benchmarks/real_model_json.py --reference`, whose figure
+`REFERENCE_FINISHED` records (transformers takes ~10 minutes for it on 2 cores: too long for the
+test suite).
 """
 
 from __future__ import annotations
