@@ -3,7 +3,7 @@
 `EngineArgs` holds what the user sets (names follow SGLang's server arguments); `resolve()`
 turns "auto" values into concrete ones and returns a frozen `EngineConfig`. The field docs
 double as CLI help (see `arborlm.server`). `ModelConfig` is what the runtime needs to know about
-a checkpoint, read from its `config.json`.
+a checkpoint, read from its `config.json` (or a GGUF file's metadata).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class EngineArgs:
         "GGUF, fetched once into the cache). random-llama-40m names the built-in random-weight "
         "model (gibberish, no network).",
         default=None)
-    tokenizer_path: str | None = _doc("Tokenizer directory; default: the model directory.",
-                                      default=None)
+    tokenizer_path: str | None = _doc("Tokenizer directory; default: the model's (a GGUF file's "
+                                      "own tokenizer).", default=None)
     dtype: str = _doc("Weight and activation dtype: auto (bfloat16 on a CPU with native "
                       "bfloat16 arithmetic, AVX512-BF16 or AMX; else the checkpoint's), float32, "
                       "bfloat16, float16.", default="auto")
@@ -190,7 +190,7 @@ class EngineConfig:
 class ModelConfig:
     """The parts of a Hugging Face `config.json` the runtime uses."""
 
-    path: str
+    path: str  # the model directory, or the GGUF file
     architecture: str  # "llama" | "qwen2" | "qwen3"
     hf_config: dict[str, Any]
     dtype: torch.dtype
@@ -209,16 +209,7 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str | os.PathLike, dtype: str = "auto",
                   context_length: int | None = None) -> ModelConfig:
-        p = Path(path)
-        if not p.is_dir():
-            raise ModelLoadError(f"model directory not found: {p}")
-        cfg_file = p / "config.json"
-        if not cfg_file.is_file():
-            raise ModelLoadError(f"no config.json in model directory {p}")
-        try:
-            hf = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"config.json in {p} is not valid JSON: {e}") from e
+        p, hf = _read_hf_config(Path(path))
         archs = hf.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
                     None)
@@ -254,6 +245,27 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _read_hf_config(p: Path) -> tuple[Path, dict[str, Any]]:
+    """(the checkpoint's path, its Hugging Face config dict): a directory's `config.json`, or
+    the metadata of a GGUF file (`p` itself, or the one `.gguf` in directory `p`)."""
+    from arborlm.runtime.models.gguf.files import find_gguf_file
+
+    gguf_file = find_gguf_file(p)
+    if gguf_file is not None:
+        from arborlm.runtime.models.gguf.metadata import hf_config_from_gguf
+
+        return gguf_file, hf_config_from_gguf(gguf_file)
+    if not p.is_dir():
+        raise ModelLoadError(f"model directory not found: {p}")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"no config.json in model directory {p}")
+    try:
+        return p, json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"config.json in {p} is not valid JSON: {e}") from e
 
 
 def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:

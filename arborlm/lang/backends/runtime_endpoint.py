@@ -7,8 +7,9 @@ per thread (programs and branches call from their own worker threads), with an o
 bearer `api_key`.
 
 Tokenization (for `select`'s choice boundaries) and the chat template come from the model's
-tokenizer when the server's `tokenizer_path` is a directory on this machine; otherwise the
-server's `/tokenize` does the tokenizing and the registry picks a template by model name.
+tokenizer when the server's `tokenizer_path` is a directory (or GGUF file) on this machine;
+otherwise the server's `/tokenize` does the tokenizing and the registry picks a template by
+model name.
 """
 
 from __future__ import annotations
@@ -147,10 +148,18 @@ def _error_text(resp: Any) -> str:
 
 
 def _local_tokenizer(model_info: dict[str, Any]) -> Any:
-    """The server's tokenizer, when its directory exists on this machine; else None."""
-    path = model_info.get("tokenizer_path") or model_info.get("model_path")
-    if not path or not (Path(path) / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
+    """The server's tokenizer, when its directory (or GGUF file) exists on this machine; else
+    None."""
+    from arborlm.errors import ModelLoadError
+    from arborlm.runtime.models.gguf.files import find_gguf_file
+    from arborlm.runtime.tokenizer_utils import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    path = model_info.get("tokenizer_path") or model_info.get("model_path")
+    if not path:
+        return None
+    try:
+        if (Path(path) / "tokenizer_config.json").is_file() or find_gguf_file(path):
+            return load_tokenizer(path)
+    except ModelLoadError:
+        pass
+    return None

@@ -8,8 +8,9 @@ indexes that table by position. The table is stored in the model dtype: `transfo
 its float32 cos/sin to the activation dtype before rotating, so this is the same arithmetic.
 
 Supported rope types: default, linear, llama3, and dynamic (NTK) within the original context
-(where it equals the default). YaRN, LongRoPE and partial rotary are not supported: they raise
-`ModelLoadError` when the model is built.
+(where it equals the default); GGUF files' per-frequency divisors (`rope_freq_factors`, how
+llama.cpp stores Llama 3.1 scaling) apply on top of the default. YaRN, LongRoPE and partial
+rotary are not supported: they raise `ModelLoadError` when the model is built.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class RopeParameters:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (GGUF rope_freqs)
 
 
 def rope_parameters(hf: dict[str, Any]) -> RopeParameters:
@@ -47,8 +49,12 @@ def rope_parameters(hf: dict[str, Any]) -> RopeParameters:
     if partial != 1.0:
         raise ModelLoadError(f"partial rotary embeddings (factor {partial}) are not supported")
     max_pos = hf.get("max_position_embeddings", 4096)
+    factors = hf.get("rope_freq_factors")
+    if factors is not None and rope_type != "default":
+        raise ModelLoadError(f"rope_freq_factors with rope type {rope_type!r}")
     if rope_type == "default":
-        return RopeParameters("default", float(theta))
+        return RopeParameters("default", float(theta),
+                              freq_factors=None if factors is None else tuple(factors))
     if rope_type in ("linear", "dynamic"):
         return RopeParameters(rope_type, float(theta), factor=float(merged["factor"]))
     if rope_type == "llama3":
@@ -70,6 +76,9 @@ def inverse_frequencies(params: RopeParameters, head_dim: int) -> torch.Tensor:
         return inv_freq / params.factor
     if params.rope_type == "llama3":
         return _llama3_scale(inv_freq, params)
+    if params.freq_factors is not None:
+        assert len(params.freq_factors) == head_dim // 2
+        return inv_freq / torch.tensor(params.freq_factors, dtype=torch.float32)
     return inv_freq
 
 

@@ -7,7 +7,8 @@
 a model's weights are read once and never held twice.
 
 Not here: mapping names onto parameters (the model's `load_weights` does that), dtype casting,
-`.bin` / GGUF checkpoints (unsupported: a directory with only those raises `ModelLoadError`).
+GGUF files (`models/gguf/`), `.bin` checkpoints (unsupported: a directory with only those raises
+`ModelLoadError`).
 """
 
 from __future__ import annotations

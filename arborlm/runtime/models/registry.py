@@ -13,6 +13,7 @@ from torch import nn
 
 from arborlm.errors import ModelLoadError
 from arborlm.runtime.config import ModelConfig
+from arborlm.runtime.models.gguf.files import find_gguf_file
 from arborlm.runtime.models.llama import LlamaForCausalLM
 from arborlm.runtime.models.loader import iter_checkpoint
 
@@ -33,7 +34,8 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 def load_model(config: ModelConfig, device: str = "cpu") -> nn.Module:
     """Build the model for `config.architecture` on `device` in `config.dtype`, load its
-    safetensors weights (cast to that dtype as they are copied), and return it in eval mode.
+    safetensors or GGUF weights (cast to that dtype as they are copied), and return it in eval
+    mode.
 
     Raises `ModelLoadError` (with the model directory) for missing or unreadable weight files,
     missing, unexpected or misshapen tensors.
@@ -41,8 +43,14 @@ def load_model(config: ModelConfig, device: str = "cpu") -> nn.Module:
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config)
+    if find_gguf_file(config.path) is not None:
+        from arborlm.runtime.models.gguf.tensors import iter_gguf_tensors  # imports gguf
+
+        weights = iter_gguf_tensors(config.path, config.dtype)
+    else:
+        weights = iter_checkpoint(config.path, device=str(device))
     try:
-        model.load_weights(iter_checkpoint(config.path, device=str(device)))
+        model.load_weights(weights)
     except ModelLoadError as e:
         if config.path in str(e):
             raise
