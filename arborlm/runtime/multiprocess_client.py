@@ -6,13 +6,13 @@ this process:  Engine → MultiProcessClient → TokenizerManager ──ipc─�
                                                    └──ipc── detokenizer ◀─────┘
 ```
 
-The constructor resolves the configuration (building or fetching the model), loads the
-tokenizer, and starts the engine's processes (`_Processes`): a private socket directory
-(`IpcAddresses`), the scheduler process (which compiles the kernels and loads the model), the
-detokenizer process, and a tokenizer manager bound to their sockets; it waits for both children
-to report ready, logging their startup phases. A child that fails to start makes the
-constructor raise the child's error (the same `arborlm.errors` class where it raised one). The
-scheduler's KV capacity arrives with its ready message.
+The constructor resolves the configuration (building or fetching the model) and starts the
+engine's processes (`_Processes`): a private socket directory (`IpcAddresses`), the scheduler
+process (which compiles the kernels and loads the model), the detokenizer process, and a
+tokenizer manager bound to their sockets (the tokenizer loads here while the children start);
+it waits for both children to report ready, logging their startup phases. A child that fails
+to start makes the constructor raise the child's error (the same `arborlm.errors` class where
+it raised one). The scheduler's KV capacity arrives with its ready message.
 
 Liveness: a watchdog thread waits on the children's process sentinels, so a death is seen at
 once. What follows depends on the `RestartPolicy`:
@@ -101,7 +101,7 @@ class RestartPolicy:
 class _Processes:
     """One start of the engine: its socket directory, its two children, its tokenizer manager."""
 
-    def __init__(self, config: EngineConfig, args: EngineArgs, tokenizer: Any,
+    def __init__(self, config: EngineConfig, args: EngineArgs, tokenizer: Callable[[], Any],
                  cancel: threading.Event | None = None):
         self.addrs = IpcAddresses.create()
         self.children: list[ChildProcess] = []
@@ -116,7 +116,7 @@ class _Processes:
                             self.addrs, cleanup_dir=run_dir),
             ]
             # The children start meanwhile (the detokenizer connects to this socket when bound).
-            self.tm = TokenizerManager(config, tokenizer, self.addrs, args.random_seed)
+            self.tm = TokenizerManager(config, tokenizer(), self.addrs, args.random_seed)
             infos = wait_ready(self.children, STARTUP_TIMEOUT_S, cancel)
         except BaseException:
             self.stop(EngineDeadError("the engine failed to start"), graceful=False)
@@ -160,17 +160,21 @@ class MultiProcessClient(EngineClient):
         self._closing = threading.Event()
         self._error: EngineDeadError | None = None  # set while not serving
         self._closed = False
-        startup.phase("loading the tokenizer")
-        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+        self.tokenizer: Any = None  # loaded while the first children start
         startup.phase("starting the engine processes")
         started = time.monotonic()
-        self._procs = _Processes(self.config, self.args, self.tokenizer)
+        self._procs = _Processes(self.config, self.args, self._load_tokenizer)
         self._start_s = time.monotonic() - started
         logger.info("engine started in %.1f s", self._start_s)
         self._watchdog = threading.Thread(target=self._watch, name="arborlm-watchdog",
                                           daemon=True)
         self._watchdog.start()
         register_for_cleanup(self)
+
+    def _load_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+        return self.tokenizer
 
     @property
     def tm(self) -> TokenizerManager:
@@ -225,7 +229,8 @@ class MultiProcessClient(EngineClient):
                 raise _copy(self._error)
             dead = self._procs.dead_child()
         if dead is not None:  # the watchdog is about to act on it
-            raise self._restarting_error(dead.death_message()) if self.restart_policy \
+            policy = self.restart_policy
+            raise self._restarting_error(dead.death_message()) if policy and policy.attempts \
                 else EngineDeadError(dead.death_message())
 
     def shutdown(self) -> None:
@@ -298,7 +303,7 @@ class MultiProcessClient(EngineClient):
                 return False
             started = time.monotonic()
             try:
-                procs = _Processes(self.config, self.args, self.tokenizer, self._closing)
+                procs = _Processes(self.config, self.args, self._load_tokenizer, self._closing)
             except Exception as e:  # noqa: BLE001 - logged; the next attempt follows
                 logger.error("engine restart attempt %d of %d failed: %s", attempt + 1,
                              policy.attempts, e)
