@@ -259,14 +259,15 @@ class MultiProcessClient(EngineClient):
             dead = self._procs.dead_child()
             if dead is None or self._closing.is_set():
                 continue
+            died = time.monotonic()
             reason = dead.death_message()
             tail = dead.output.text(wait_s=1.0)
             logger.error("%s; failing every pending request%s", reason,
                          f"; its last output:\n{tail}" if tail else "")
-            if not self._replace(reason):
+            if not self._replace(reason, died):
                 return
 
-    def _replace(self, reason: str) -> bool:
+    def _replace(self, reason: str, died: float) -> bool:
         """Stop the dead engine's processes and start new ones; False when it stays dead."""
         policy = self.restart_policy
         error = self._restarting_error(reason) if policy and policy.attempts else \
@@ -276,7 +277,7 @@ class MultiProcessClient(EngineClient):
                 return False
             self._error = error
         self._procs.stop(error, graceful=False)
-        if isinstance(error, EngineRestartingError) and self._start_again(reason):
+        if isinstance(error, EngineRestartingError) and self._start_again(reason, died):
             return True
         if self._closing.is_set():
             return False
@@ -291,10 +292,9 @@ class MultiProcessClient(EngineClient):
             self.on_fatal(str(final))
         return False
 
-    def _start_again(self, reason: str) -> bool:
+    def _start_again(self, reason: str, died: float) -> bool:
         policy = self.restart_policy
         assert policy is not None
-        began = time.monotonic()
         for attempt in range(policy.attempts):
             delay = policy.delay(attempt)
             logger.warning("restarting the engine (attempt %d of %d) in %.1f s", attempt + 1,
@@ -311,15 +311,16 @@ class MultiProcessClient(EngineClient):
                     return False
                 continue
             with self._lock:
-                if self._closed:  # shut down while starting: stop what just started
-                    procs.stop(EngineDeadError("the engine has been shut down"), graceful=True)
-                    return False
-                self._procs = procs
-                self._error = None
-                self.restarts += 1
-                self._start_s = time.monotonic() - started
+                closed = self._closed
+                if not closed:
+                    self._procs, self._error = procs, None
+                    self.restarts += 1
+                    self._start_s = time.monotonic() - started
+            if closed:  # shut down while starting: stop what just started
+                procs.stop(EngineDeadError("the engine has been shut down"), graceful=True)
+                return False
             logger.warning("the engine serves again, %.1f s after it died (%s)",
-                           time.monotonic() - began, reason)
+                           time.monotonic() - died, reason)
             return True
         return False
 
