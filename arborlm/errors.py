@@ -34,6 +34,18 @@ class EngineDeadError(ArborLMError):
     """A child process of the engine died; pending and future calls fail with this."""
 
 
+class EngineRestartingError(EngineDeadError):
+    """The engine's processes died and are being started again; retry after `retry_after_s`.
+
+    Calls pending when the engine died end with this error, and calls made until it serves
+    again raise it at once. The message starts with "engine restarting".
+    """
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class GrammarError(InvalidRequestError):
     """A grammar (JSON schema, regex, EBNF, choices) is invalid, unsupported, or timed out."""
 

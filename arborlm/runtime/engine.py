@@ -33,7 +33,9 @@ def make_engine_args(model_path: str | None, options: dict[str, Any]) -> EngineA
     return EngineArgs(model_path=model_path, **options)
 
 
-def create_client(args: EngineArgs, mode: str) -> EngineClient:
+def create_client(args: EngineArgs, mode: str, **options: Any) -> EngineClient:
+    """The engine client for `mode`; `options` go to the multi-process client (its restart
+    policy, see `MultiProcessClient`)."""
     if mode == "inprocess":
         from arborlm.runtime.inprocess_client import InProcessClient
 
@@ -41,7 +43,7 @@ def create_client(args: EngineArgs, mode: str) -> EngineClient:
     if mode == "multiprocess":
         from arborlm.runtime.multiprocess_client import MultiProcessClient
 
-        return MultiProcessClient(args)
+        return MultiProcessClient(args, **options)
     raise InvalidRequestError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", "mode")
 
 

@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from arborlm.errors import EngineDeadError
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.generate_request import GenerateRequest
 
@@ -25,6 +26,7 @@ from arborlm.runtime.generate_request import GenerateRequest
 class EngineClient(abc.ABC):
     tokenizer: Any
     config: EngineConfig
+    restarts: int = 0  # times the engine was started again after it died
 
     @property
     @abc.abstractmethod
@@ -51,6 +53,16 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def healthy(self) -> bool:
         """False once a component has died."""
+
+    def check_available(self) -> None:
+        """Raise `EngineRestartingError` while the engine is being started again, or
+        `EngineDeadError` when it is not running; return when it serves."""
+        if not self.healthy():
+            raise EngineDeadError("the engine is not running")
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of the engine's child processes by name (none in-process)."""
+        return {}
 
     @abc.abstractmethod
     def shutdown(self) -> None:

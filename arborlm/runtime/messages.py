@@ -9,7 +9,8 @@ Scheduler --BatchTokenOutput, ErrorOutput, FlushCacheResp, ServerInfoResp,
             HealthCheckResp, ShutdownReq--> Detokenizer
 Detokenizer --BatchTextOutput, ErrorOutput, FlushCacheResp, ServerInfoResp,
               HealthCheckResp, ShutdownReq--> TokenizerManager   (forwarded unchanged)
-Child process --ProcessReady, ProcessFailed--> parent   (over the startup pipe, not ZeroMQ)
+Child process --ProcessProgress, ProcessReady, ProcessFailed--> parent
+              (over the startup pipe, not ZeroMQ)
 ```
 
 Batch messages are column-oriented: entry `i` of every list belongs to `rids[i]`.
@@ -184,6 +185,13 @@ class ErrorOutput(_Message):
 # --- child process -> parent, once at startup (and once more if it fails later) ----------------
 
 
+class ProcessProgress(_Message):
+    """A starting child began a startup phase ("compiling kernels", "loading weights", ...)."""
+
+    process: str
+    phase: str
+
+
 class ProcessReady(_Message):
     """A child finished starting (model loaded, sockets bound); `info` holds its figures."""
 
@@ -214,6 +222,7 @@ Message = (
     | BatchTokenOutput
     | BatchTextOutput
     | ErrorOutput
+    | ProcessProgress
     | ProcessReady
     | ProcessFailed
 )

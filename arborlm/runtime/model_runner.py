@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime import startup
 from arborlm.runtime.attention.base import create_attention_backend
 from arborlm.runtime.compiled_decode import (
     CompiledDecodeRunner,
@@ -72,6 +73,7 @@ class ModelRunner:
             self.weight_arena = move_decode_weights(self.model)
         self.vocab_size = mc.vocab_size
         self.page_size = args.page_size
+        startup.phase("allocating the KV pool")
         num_slots = self._pool_slots()
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 2,
                                                 mc.context_length + self.page_size,
@@ -83,6 +85,7 @@ class ModelRunner:
         logger.info("KV pool: %d tokens (%d pages of %d), %s, backend %s",
                     self.allocator.total_size, self.allocator.num_pages - 1, self.page_size,
                     mc.dtype, config.attention_backend)
+        startup.phase("warming up")
         self.graph_runner: CudaGraphRunner | None = create_cuda_graph_runner(self)
         self.compiled: CompiledDecodeRunner | None = create_compiled_decode_runner(self)
         self.fused: FusedDecodeStep | None = create_fused_decode_step(self)

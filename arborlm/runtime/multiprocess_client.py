@@ -6,19 +6,31 @@ this process:  Engine → MultiProcessClient → TokenizerManager ──ipc─�
                                                    └──ipc── detokenizer ◀─────┘
 ```
 
-The constructor resolves the configuration, makes a private socket directory (`IpcAddresses`),
-spawns the scheduler process (which loads the model) and the detokenizer process, loads the
-tokenizer and binds the tokenizer manager's socket while they start, and waits for both to
-report ready; a child that fails to start makes the constructor raise the child's error (the
-same `arborlm.errors` class where it raised one). The scheduler's KV capacity arrives with its
-ready message.
+The constructor resolves the configuration (building or fetching the model) and starts the
+engine's processes (`_Processes`): a private socket directory (`IpcAddresses`), the scheduler
+process (which compiles the kernels and loads the model), the detokenizer process, and a
+tokenizer manager bound to their sockets (the tokenizer loads here while the children start);
+it waits for both children to report ready, logging their startup phases. A child that fails
+to start makes the constructor raise the child's error (the same `arborlm.errors` class where
+it raised one). The scheduler's KV capacity arrives with its ready message.
 
-Liveness: a watchdog thread checks the children every `WATCH_INTERVAL_S`. When one has died, the
-engine turns unhealthy, every pending call fails with `EngineDeadError("scheduler process died
-(exit code -9)")`-style errors, later calls raise it at once, and the surviving child is
-stopped. `shutdown()` (also run at interpreter exit and on SIGTERM, see `process_utils`) sends a
+Liveness: a watchdog thread waits on the children's process sentinels, so a death is seen at
+once. What follows depends on the `RestartPolicy`:
+
+- None (the library's default): the engine turns unhealthy for good, every pending call fails
+  with `EngineDeadError("scheduler process died (exit code -9)")`-style errors, later calls raise
+  it at once, and the surviving child is stopped.
+- a policy (the server's): pending calls fail with `EngineRestartingError("engine restarting:
+  scheduler process died ...")`, new calls raise it at once, both children are stopped, and
+  fresh ones start on fresh socket addresses — after `backoff_s`, doubling after each failed
+  start up to `max_backoff_s`. A start that succeeds makes the engine serve again (and counts
+  in `restarts`); after `attempts` consecutive failed starts the engine is dead for good and
+  `on_fatal(reason)` runs (the server then exits non-zero).
+
+`shutdown()` (also run at interpreter exit and on SIGTERM, see `process_utils`) sends a
 `ShutdownReq` through the pipeline, waits for the children, escalates to SIGTERM / SIGKILL, and
-removes the socket directory. Children stop by themselves if this process dies.
+removes the socket directory; it also cancels a restart in progress. Children stop by
+themselves if this process dies.
 
 Caveat of the "spawn" start method: a script that creates a multi-process engine at import time
 must guard it with `if __name__ == "__main__":`, since the children import the main module.
@@ -27,15 +39,21 @@ This module imports no model or scheduler code.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import math
 import os
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any
 
-from arborlm.errors import EngineDeadError
-from arborlm.runtime.config import EngineArgs
+from arborlm.errors import EngineDeadError, EngineRestartingError
+from arborlm.runtime import startup
+from arborlm.runtime.config import EngineArgs, EngineConfig
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.runtime.ipc import IpcAddresses
@@ -54,7 +72,7 @@ logger = logging.getLogger(__name__)
 SCHEDULER_ENTRY = "arborlm.runtime.scheduler_process:SchedulerService"
 DETOKENIZER_ENTRY = "arborlm.runtime.detokenizer_process:DetokenizerService"
 STARTUP_TIMEOUT_S = 600.0
-WATCH_INTERVAL_S = 0.5
+WATCH_INTERVAL_S = 0.5  # the watchdog rechecks its stop flag this often
 SHUTDOWN_TIMEOUT_S = 5.0  # how long children get to exit after a ShutdownReq
 
 
@@ -66,41 +84,118 @@ def scheduler_env() -> dict[str, str]:
     return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a dead engine is replaced: up to `attempts` consecutive failed starts (0: none),
+    the k-th after `min(backoff_s * 2**k, max_backoff_s)` seconds."""
+
+    attempts: int = 5
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before start `attempt` (0-based) of a restart."""
+        return min(self.backoff_s * 2 ** attempt, self.max_backoff_s)
+
+
+class _Processes:
+    """One start of the engine: its socket directory, its two children, its tokenizer manager."""
+
+    def __init__(self, config: EngineConfig, args: EngineArgs, tokenizer: Callable[[], Any],
+                 cancel: threading.Event | None = None):
+        self.addrs = IpcAddresses.create()
+        self.children: list[ChildProcess] = []
+        self.tm: TokenizerManager | None = None
+        self._stopped = False
+        try:
+            run_dir = self.addrs.run_dir
+            self.children = [
+                spawn_child("scheduler", SCHEDULER_ENTRY, args, self.addrs,
+                            cleanup_dir=run_dir, env=scheduler_env()),
+                spawn_child("detokenizer", DETOKENIZER_ENTRY, config.tokenizer_path,
+                            self.addrs, cleanup_dir=run_dir),
+            ]
+            # The children start meanwhile (the detokenizer connects to this socket when bound).
+            self.tm = TokenizerManager(config, tokenizer(), self.addrs, args.random_seed)
+            infos = wait_ready(self.children, STARTUP_TIMEOUT_S, cancel)
+        except BaseException:
+            self.stop(EngineDeadError("the engine failed to start"), graceful=False)
+            raise
+        self.tm.start(infos["scheduler"]["max_total_tokens"])
+        logger.info("engine processes: %s", ", ".join(f"{c.name} pid {c.pid}"
+                                                      for c in self.children))
+
+    def dead_child(self) -> ChildProcess | None:
+        return next((c for c in self.children if not c.is_alive()), None)
+
+    def stop(self, error: EngineDeadError, graceful: bool) -> None:
+        """Fail pending calls with `error`, stop the children, remove the sockets (once)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        tm = self.tm
+        if tm is not None:
+            tm.fail_all(error)
+            if graceful and all(c.is_alive() for c in self.children):
+                tm.send_shutdown()
+        for child in self.children:
+            child.stop(SHUTDOWN_TIMEOUT_S if graceful else 0.0)
+        if tm is not None:
+            tm.close(error)
+        self.addrs.cleanup()
+
+
 class MultiProcessClient(EngineClient):
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, restart: RestartPolicy | None = None,
+                 on_fatal: Callable[[str], None] | None = None):
+        startup.phase("building or fetching the model")
         self.config = args.resolve()
         # Children get the resolved paths, so they need not resolve defaults again.
         self.args = dataclasses.replace(args, model_path=self.config.model.path,
                                         tokenizer_path=self.config.tokenizer_path)
-        self.addrs = IpcAddresses.create()
-        self.children: list[ChildProcess] = []
+        self.restart_policy = restart
+        self.on_fatal = on_fatal
+        self.restarts = 0  # engines started again after a death
         self._lock = threading.Lock()
-        self._torn_down = False
         self._closing = threading.Event()
-        try:
-            run_dir = self.addrs.run_dir
-            self.children = [
-                spawn_child("scheduler", SCHEDULER_ENTRY, self.args, self.addrs,
-                            cleanup_dir=run_dir, env=scheduler_env()),
-                spawn_child("detokenizer", DETOKENIZER_ENTRY, self.config.tokenizer_path,
-                            self.addrs, cleanup_dir=run_dir),
-            ]
-            # The children start meanwhile (the detokenizer connects to this socket when bound).
-            self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-            self.tm = TokenizerManager(self.config, self.tokenizer, self.addrs, args.random_seed)
-            infos = wait_ready(self.children, STARTUP_TIMEOUT_S)
-        except BaseException:
-            self._teardown(EngineDeadError("the engine failed to start"), graceful=False)
-            raise
-        self.tm.start(infos["scheduler"]["max_total_tokens"])
+        self._error: EngineDeadError | None = None  # set while not serving
+        self._closed = False
+        self.tokenizer: Any = None  # loaded while the first children start
+        startup.phase("starting the engine processes")
+        started = time.monotonic()
+        self._procs = _Processes(self.config, self.args, self._load_tokenizer)
+        self._start_s = time.monotonic() - started
+        logger.info("engine started in %.1f s", self._start_s)
         self._watchdog = threading.Thread(target=self._watch, name="arborlm-watchdog",
                                           daemon=True)
         self._watchdog.start()
         register_for_cleanup(self)
 
+    def _load_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+        return self.tokenizer
+
+    @property
+    def tm(self) -> TokenizerManager:
+        """The tokenizer manager of the engine serving now (raises while there is none)."""
+        with self._lock:
+            if self._error is not None:
+                raise _copy(self._error)
+            assert self._procs.tm is not None
+            return self._procs.tm
+
+    @property
+    def children(self) -> list[ChildProcess]:
+        return self._procs.children
+
+    @property
+    def addrs(self) -> IpcAddresses:
+        return self._procs.addrs
+
     @property
     def max_total_tokens(self) -> int:
-        return self.tm.max_total_tokens
+        return self._procs.tm.max_total_tokens if self._procs.tm else 0
 
     def pids(self) -> dict[str, int]:
         """Process ids of the children, by name ("scheduler", "detokenizer")."""
@@ -125,40 +220,111 @@ class MultiProcessClient(EngineClient):
         return await self.tm.health_check()
 
     def healthy(self) -> bool:
-        return not self._torn_down and all(c.is_alive() for c in self.children)
+        with self._lock:
+            return self._error is None and self._procs.dead_child() is None
+
+    def check_available(self) -> None:
+        with self._lock:
+            if self._error is not None:
+                raise _copy(self._error)
+            dead = self._procs.dead_child()
+        if dead is not None:  # the watchdog is about to act on it
+            policy = self.restart_policy
+            raise self._restarting_error(dead.death_message()) if policy and policy.attempts \
+                else EngineDeadError(dead.death_message())
 
     def shutdown(self) -> None:
-        self._teardown(EngineDeadError("the engine has been shut down"), graceful=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            was_serving = self._error is None
+            self._error = EngineDeadError("the engine has been shut down")
+        self._closing.set()
+        if self._watchdog is not threading.current_thread():
+            self._watchdog.join()  # it stops a start in progress (cancelled by _closing)
+        self._procs.stop(self._error, graceful=was_serving)
+        unregister(self)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
+    def _restarting_error(self, reason: str) -> EngineRestartingError:
+        retry = max(1, math.ceil(self._start_s))
+        return EngineRestartingError(f"engine restarting: {reason}", retry_after_s=retry)
+
     def _watch(self) -> None:
-        while not self._closing.wait(WATCH_INTERVAL_S):
-            dead = next((c for c in self.children if not c.is_alive()), None)
-            if dead is not None:
-                message = dead.death_message()
-                logger.error("%s; failing every pending request", message)
-                self._teardown(EngineDeadError(message), graceful=False)
+        while not self._closing.is_set():
+            sentinels = [c.process.sentinel for c in self._procs.children]
+            wait_for_sentinels(sentinels, timeout=WATCH_INTERVAL_S)
+            dead = self._procs.dead_child()
+            if dead is None or self._closing.is_set():
+                continue
+            died = time.monotonic()
+            reason = dead.death_message()
+            tail = dead.output.text(wait_s=1.0)
+            logger.error("%s; failing every pending request%s", reason,
+                         f"; its last output:\n{tail}" if tail else "")
+            if not self._replace(reason, died):
                 return
 
-    def _teardown(self, error: EngineDeadError, graceful: bool) -> None:
-        """Fail pending calls with `error`, stop the children, remove the sockets; runs once."""
+    def _replace(self, reason: str, died: float) -> bool:
+        """Stop the dead engine's processes and start new ones; False when it stays dead."""
+        policy = self.restart_policy
+        error = self._restarting_error(reason) if policy and policy.attempts else \
+            EngineDeadError(reason)
         with self._lock:
-            if self._torn_down:
-                return
-            self._torn_down = True
-        self._closing.set()
-        tm = getattr(self, "tm", None)
-        if tm is not None:
-            tm.fail_all(error)
-            if graceful and all(c.is_alive() for c in self.children):
-                tm.send_shutdown()
-        for child in self.children:
-            child.stop(SHUTDOWN_TIMEOUT_S if graceful else 0.0)
-        if tm is not None:
-            tm.close(error)
-        self.addrs.cleanup()
-        unregister(self)
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None and watchdog is not threading.current_thread():
-            watchdog.join(timeout=2 * WATCH_INTERVAL_S)
+            if self._closed:
+                return False
+            self._error = error
+        self._procs.stop(error, graceful=False)
+        if isinstance(error, EngineRestartingError) and self._start_again(reason, died):
+            return True
+        if self._closing.is_set():
+            return False
+        final = error if not isinstance(error, EngineRestartingError) else EngineDeadError(
+            f"the engine could not be restarted after {policy.attempts} attempts "
+            f"(it first died: {reason})")
+        with self._lock:
+            if not self._closed:
+                self._error = final
+        logger.error("the engine is dead: %s", final)
+        if self.on_fatal is not None:
+            self.on_fatal(str(final))
+        return False
+
+    def _start_again(self, reason: str, died: float) -> bool:
+        policy = self.restart_policy
+        assert policy is not None
+        for attempt in range(policy.attempts):
+            delay = policy.delay(attempt)
+            logger.warning("restarting the engine (attempt %d of %d) in %.1f s", attempt + 1,
+                           policy.attempts, delay)
+            if self._closing.wait(delay):
+                return False
+            started = time.monotonic()
+            try:
+                procs = _Processes(self.config, self.args, self._load_tokenizer, self._closing)
+            except Exception as e:  # noqa: BLE001 - logged; the next attempt follows
+                logger.error("engine restart attempt %d of %d failed: %s", attempt + 1,
+                             policy.attempts, e)
+                if self._closing.is_set():
+                    return False
+                continue
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._procs, self._error = procs, None
+                    self.restarts += 1
+                    self._start_s = time.monotonic() - started
+            if closed:  # shut down while starting: stop what just started
+                procs.stop(EngineDeadError("the engine has been shut down"), graceful=True)
+                return False
+            logger.warning("the engine serves again, %.1f s after it died (%s)",
+                           time.monotonic() - died, reason)
+            return True
+        return False
+
+
+def _copy(error: EngineDeadError) -> EngineDeadError:
+    """A fresh exception like `error` (class and attributes), for a new raise."""
+    return copy.copy(error)

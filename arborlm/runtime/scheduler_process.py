@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime import startup
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.detokenizer import PROMPT_CONTEXT_TOKENS
 from arborlm.runtime.ipc import IpcAddresses
+from arborlm.runtime.layers import cpu_kernels
 from arborlm.runtime.messages import (
     AbortReq,
     BatchTokenizedGenerateReq,
@@ -77,6 +79,10 @@ class _Live:
 class SchedulerService:
     def __init__(self, args: EngineArgs, addrs: IpcAddresses):
         config = args.resolve()
+        if args.device == "cpu":
+            startup.phase("compiling kernels")
+            cpu_kernels.build()  # here, so that a slow or failed build shows as its own phase
+        startup.phase("loading weights")
         self.scheduler = Scheduler(config, load_tokenizer(config.tokenizer_path))
         self.debug_integrity = args.debug_integrity
         self.recv = PullQueue(addrs.tokenizer_to_scheduler, bind=True)

@@ -14,8 +14,9 @@ asyncio queue (`call_soon_threadsafe`, one call per event loop per message); con
 one-way pipeline preserves. A sequence the scheduler refuses before generating anything (a 400:
 a grammar that does not compile, an invalid request) makes the call raise `GrammarError` /
 `InvalidRequestError`, as the in-process client raises those before queueing.
-`fail_all(error)` ends every pending call with `error` (the multi-process client calls it when
-a child dies); later calls raise at once.
+`fail_all(error)` ends every pending call with a copy of `error` (the multi-process client calls
+it when a child dies: `EngineDeadError`, or `EngineRestartingError` while it restarts the
+engine); later calls raise the same at once.
 
 This module imports no model, scheduler or torch code: the API process stays light. Process
 management (spawning, liveness, shutdown) is `MultiProcessClient`'s job.
@@ -24,6 +25,7 @@ management (spawning, liveness, shutdown) is `MultiProcessClient`'s job.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import random
@@ -181,7 +183,7 @@ class TokenizerManager:
         self._replies: dict[type, deque[Future]] = {
             FlushCacheResp: deque(), ServerInfoResp: deque(), HealthCheckResp: deque()}
         self._seeds = random.Random(random_seed)
-        self._error: str | None = None
+        self._error: EngineDeadError | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive_loop, daemon=True,
                                         name="arborlm-tokenizer-manager")
@@ -301,13 +303,18 @@ class TokenizerManager:
 
     def check_alive(self) -> None:
         if self._error is not None:
-            raise EngineDeadError(self._error)
+            raise self._fresh_error()
+
+    def _fresh_error(self) -> EngineDeadError:
+        """A copy of the error (same class and attributes): each raise gets its own traceback."""
+        assert self._error is not None
+        return copy.copy(self._error)
 
     def fail_all(self, error: EngineDeadError) -> None:
         """End every pending call with `error`; later calls raise it at once."""
         with self._lock:
             if self._error is None:
-                self._error = str(error)
+                self._error = error
             seqs = list(self._seqs.values())
             self._seqs.clear()
             futures = [f for q in self._replies.values() for f in q]
@@ -315,10 +322,10 @@ class TokenizerManager:
                 q.clear()
         for seq in seqs:
             if not seq.detached:
-                _call_in(seq.loop, [(seq.queue, EngineDeadError(self._error))])
+                _call_in(seq.loop, [(seq.queue, self._fresh_error())])
         for fut in futures:
             if not fut.done():
-                fut.set_exception(EngineDeadError(self._error))
+                fut.set_exception(self._fresh_error())
 
     def close(self, error: EngineDeadError) -> None:
         """Fail what is pending, stop the receiver thread, close the sockets."""

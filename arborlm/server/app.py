@@ -3,9 +3,11 @@
 Wires the native and OpenAI routers, the ASGI middleware (metrics, API key, body limit), and
 the exception handlers that give every error its API's body: pydantic validation errors and
 the engine's `InvalidRequestError` -> 400 naming the field, `Overloaded` -> 503 with
-`Retry-After`, a vanished client -> 499 (nobody reads it; it only shows in the metrics), any
-other failure -> 500, or 503 once the engine has died. The app does not start or load the
-engine; `cli.py` does, and hands the client in. Shutting the app down shuts the client down.
+`Retry-After`, an engine that is restarting -> 503 "engine restarting" with `Retry-After` (or
+503 when it is dead for good), a vanished client -> 499 (nobody reads it; it only shows in the
+metrics), any other failure -> 500, or 503 once the engine has died. The app does not start or
+load the engine; `cli.py` does, and hands the client in. Shutting the app down shuts the client
+down.
 """
 
 from __future__ import annotations
@@ -21,12 +23,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import arborlm
-from arborlm.errors import InvalidRequestError
+from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.server import native, openai_api
 from arborlm.server.chat import ChatRenderer
-from arborlm.server.errors import ApiError, error_response, invalid_request, validation_error
+from arborlm.server.errors import (
+    ApiError,
+    engine_unavailable,
+    error_response,
+    invalid_request,
+    validation_error,
+)
 from arborlm.server.generation import ClientDisconnected, GenerationRunner
 from arborlm.server.limits import RETRY_AFTER_S, AdmissionGate, Overloaded
 from arborlm.server.metrics import ServerMetrics
@@ -42,7 +50,7 @@ CLIENT_CLOSED_REQUEST = 499
 def create_app(client: EngineClient, server_args: ServerArgs,
                engine_args: EngineArgs) -> FastAPI:
     model_name = server_args.served_model_name or client.config.model.path
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, engine_restarts=lambda: client.restarts)
     capacity = engine_args.max_running_requests + server_args.max_queued_requests
     state = ServerState(
         client=client, server_args=server_args, engine_args=engine_args,
@@ -81,8 +89,12 @@ def _add_exception_handlers(app: FastAPI) -> None:
         return error_response(request.url.path, validation_error(exc))
 
     async def overloaded(request: Request, exc: Overloaded) -> Response:
-        err = ApiError(503, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+        err = ApiError(503, str(exc), code="overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
         return error_response(request.url.path, err)
+
+    async def engine_down(request: Request, exc: EngineDeadError) -> Response:
+        return error_response(request.url.path, engine_unavailable(exc))
 
     async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -107,6 +119,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidRequestError, invalid)
     app.add_exception_handler(RequestValidationError, pydantic_error)
     app.add_exception_handler(Overloaded, overloaded)
+    app.add_exception_handler(EngineDeadError, engine_down)
     app.add_exception_handler(ClientDisconnected, disconnected)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal)

@@ -4,8 +4,11 @@ Flags are generated from the two option dataclasses, so each is documented once:
 own (`ServerArgs`) and the engine's (`EngineArgs`, under SGLang's flag names). The engine is
 loaded before the socket opens; once the server listens it logs one "ready" line with its
 address. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for
-up to `--drain-timeout` seconds, shuts the engine down and exits with status 0. Importing this
-module is cheap: FastAPI, uvicorn and the engine load inside `serve_main`.
+up to `--drain-timeout` seconds, shuts the engine down and exits with status 0. In multiprocess
+mode an engine process that dies is replaced (see `MultiProcessClient`); when that fails
+`--engine-restart-attempts` times in a row the server stops the same way and exits with status
+3 (`ENGINE_FAILED_EXIT`), so that a supervisor restarts it. Importing this module is cheap:
+FastAPI, uvicorn and the engine load inside `serve_main`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import threading
 from typing import Any
 
 from arborlm.server.server_args import ENGINE_MODES, LOG_LEVELS, ServerArgs
@@ -28,6 +32,7 @@ _CHOICES = {"engine_mode": ENGINE_MODES, "log_level": LOG_LEVELS,
             "attention_backend": ("auto", "torch_native", "triton", "flashinfer"),
             "dtype": ("auto", "float32", "bfloat16", "float16")}
 _TYPES = {"int": int, "float": float, "str": str}
+ENGINE_FAILED_EXIT = 3  # the engine died and could not be started again
 
 
 def _add_fields(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
@@ -88,22 +93,35 @@ def serve_main(argv: list[str]) -> int:
     logger.info("loading %s (engine: %s)",
                 engine_args.model_path or "the default model (SmolLM2-135M-Instruct)",
                 server_args.engine_mode)
+    engine_failed = threading.Event()
+    options = {}
+    if server_args.engine_mode == "multiprocess":
+        from arborlm.runtime.multiprocess_client import RestartPolicy
+
+        options = {"restart": RestartPolicy(attempts=server_args.engine_restart_attempts),
+                   "on_fatal": lambda reason: engine_failed.set()}
     try:
-        client = create_client(engine_args, server_args.engine_mode)
+        client = create_client(engine_args, server_args.engine_mode, **options)
     except (InvalidRequestError, ModelLoadError) as e:
         logger.error("cannot start the engine: %s", e)
         return 2
     try:
-        return _serve(client, server_args, engine_args)
+        code = _serve(client, server_args, engine_args, engine_failed)
     finally:
         client.shutdown()
+    if engine_failed.is_set():
+        logger.error("exiting with status %d: the engine could not be restarted",
+                     ENGINE_FAILED_EXIT)
+        return ENGINE_FAILED_EXIT
+    return code
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _serve(client: Any, server_args: ServerArgs, engine_args: Any) -> int:
+def _serve(client: Any, server_args: ServerArgs, engine_args: Any,
+           engine_failed: threading.Event) -> int:
     import uvicorn
 
     from arborlm.server.app import create_app
@@ -115,7 +133,8 @@ def _serve(client: Any, server_args: ServerArgs, engine_args: Any) -> int:
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
         timeout_graceful_shutdown=server_args.drain_timeout, lifespan="on")
     server = ArborServer(config, ready_note=f"model {client.config.model.path}, "
-                                            f"engine {server_args.engine_mode}")
+                                            f"engine {server_args.engine_mode}",
+                         stop_when=engine_failed)
     server.run()
     return 0 if server.started else 1
 

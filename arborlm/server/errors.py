@@ -5,6 +5,9 @@ Native routes answer `{"error": {"message": ...}}`; `/v1/...` routes answer Open
 optionally the offending parameter; the app's exception handlers (see `app.py`) turn it,
 `InvalidRequestError` and pydantic's validation errors into these bodies. Pydantic errors are
 reduced to their most specific entry and named by the field path, with the value received.
+A 503 says why in its OpenAI `code`: `overloaded` (the waiting queue is full),
+`engine_restarting` (the engine died and is being started again; `Retry-After` says when to
+retry) or `engine_unavailable` (the engine is not running).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
+from arborlm.errors import EngineDeadError, EngineRestartingError
 from arborlm.server.jsonresp import JSONResponse
 
 OPENAI_PREFIX = "/v1/"
@@ -21,7 +25,7 @@ OPENAI_PREFIX = "/v1/"
 _OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                  429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 _OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-                 413: "request_too_large", 429: "rate_limit_exceeded", 503: "overloaded"}
+                 413: "request_too_large", 429: "rate_limit_exceeded"}
 # Union members and model names that pydantic puts in an error's location.
 _NOT_A_FIELD = re.compile(r"^([A-Z]\w*|str|int|float|bool|list|dict|none|.*\[.*\]|"
                           r"function-\w+.*|constrained-\w+|literal.*|tagged-union.*)$")
@@ -69,6 +73,17 @@ def invalid_request(path: str, message: str, param: str | None) -> ApiError:
     for old, new in _OPENAI_PARAMS.items():
         message = re.sub(rf"\b{old}\b", new, message)
     return ApiError(400, message, names.get(param, param) if param else None)
+
+
+def engine_unavailable(exc: EngineDeadError) -> ApiError:
+    """The 503 for an engine that is restarting (with `Retry-After`) or not running."""
+    if isinstance(exc, EngineRestartingError):
+        retry = str(max(1, round(exc.retry_after_s)))
+        return ApiError(503, str(exc), code="engine_restarting", headers={"Retry-After": retry})
+    message = str(exc)
+    if not message.startswith("the engine"):
+        message = f"the engine is not running: {message}"
+    return ApiError(503, message, code="engine_unavailable")
 
 
 def error_response(path: str, err: ApiError) -> JSONResponse:

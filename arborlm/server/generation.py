@@ -4,8 +4,10 @@ One path for the native and the OpenAI routes: validate the request (engine chec
 server's `max_new_tokens` limit), take its sequences' slots at the admission gate (or raise
 `Overloaded`), stream events from the engine client, feed the metrics, and give the slots back
 however the request ends. The engine is always asked to stream, so time-to-first-token and
-inter-token latency are measured for every request; `collect_finals` folds a stream back into
-the final native objects (its logprob lists concatenated). A sequence the engine aborts with
+inter-token latency are measured for every request; an engine that dies (or is restarting)
+fails the request with a 503 `ApiError` (see `errors.engine_unavailable`), mid-stream too.
+`collect_finals` folds a stream back into the final native objects (its logprob lists
+concatenated). A sequence the engine aborts with
 an error status (not the client's own abort) fails the request with that status.
 `race_disconnect` runs an awaitable until it finishes or the HTTP client goes away — in which
 case the awaitable is cancelled, and closing the engine iterator aborts the request in the
@@ -22,10 +24,10 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from arborlm.errors import InvalidRequestError
+from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest
-from arborlm.server.errors import ApiError
+from arborlm.server.errors import ApiError, engine_unavailable
 from arborlm.server.limits import AdmissionGate, check_max_new_tokens
 from arborlm.server.metrics import ServerMetrics
 
@@ -71,6 +73,8 @@ class GenerationRunner:
                     observer.event(index, event)
                     _raise_if_failed(event)
                     yield index, event
+        except EngineDeadError as e:  # died (and maybe restarting) before or while it ran
+            raise engine_unavailable(e) from e
         finally:
             observer.close(n)
             self.gate.release(n)

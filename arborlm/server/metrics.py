@@ -3,25 +3,39 @@
 Counted at the edge: HTTP requests by route and status, finished sequences by finish reason,
 prompt / generated / cached tokens, and latency histograms per sequence — time to first token,
 inter-token latency, time per output token, end-to-end latency. Read from the engine at each
-scrape: running and queued requests, KV usage and the prefix-cache hit rate. Names use the
-`arborlm:` prefix, as vLLM and SGLang use theirs.
+scrape: running and queued requests, KV usage, the prefix-cache hit rate and how many times
+the engine's processes were started again after dying (`arborlm:engine_restarts_total`). Names
+use the `arborlm:` prefix, as vLLM and SGLang use theirs.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "arborlm:"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                     0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
 
+class _RestartCounter:
+    """`engine_restarts_total`, read from the engine client at each scrape."""
+
+    def __init__(self, read: Callable[[], int]):
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(f"{PREFIX}engine_restarts", "Times the engine's processes "
+                                  "were started again after one died", value=self.read())
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine_restarts: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         r, m = self.registry, PREFIX
         self.http_requests = Counter(f"{m}http_requests", "HTTP requests by route and status",
@@ -53,6 +67,7 @@ class ServerMetrics:
                               "requests", registry=r)
         info = Gauge(f"{m}model_info", "The served model", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
+        r.register(_RestartCounter(engine_restarts))
 
     def observer(self) -> SequenceObserver:
         return SequenceObserver(self, time.monotonic())

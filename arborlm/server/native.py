@@ -93,6 +93,7 @@ async def model_info(request: Request) -> Response:
 @router.get("/server_info")
 async def server_info(request: Request) -> Response:
     state = server_state(request)
+    state.client.check_available()
     live = await _engine_info(state)
     if live is None:
         raise ApiError(503, "the engine is not responding")
@@ -102,6 +103,8 @@ async def server_info(request: Request) -> Response:
     return JSONResponse({**args, **live, "version": arborlm.__version__,
                          "served_model_name": state.model_name,
                          "num_sequences_in_flight": state.runner.gate.in_flight,
+                         "engine_pids": state.client.pids(),
+                         "engine_restarts": state.client.restarts,
                          "internal_states": [live]})
 
 
@@ -116,8 +119,8 @@ async def _engine_info(state: ServerState) -> dict[str, Any] | None:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if not server_state(request).client.healthy():
-        raise ApiError(503, "the engine is not running")
+    """200 while the engine serves; 503 while it restarts (with `Retry-After`) or is dead."""
+    server_state(request).client.check_available()
     return Response(status_code=200)
 
 

@@ -293,7 +293,7 @@ async def _openai_stream(reply: _Reply, stream: AsyncIterator[Event],
     except InvalidRequestError as e:
         yield sse.event(error_body(reply.path, 400, e.message, e.param))
     except ApiError as e:
-        yield sse.event(error_body(reply.path, e.status, e.message, e.param))
+        yield sse.event(error_body(reply.path, e.status, e.message, e.param, e.code))
     except Exception as e:  # noqa: BLE001 - reported to the client mid-stream
         logger.exception("generation failed mid-stream")
         yield sse.event(error_body(reply.path, 500, f"generation failed: {e}"))

@@ -52,4 +52,9 @@ class ServerArgs:
     drain_timeout: float = _doc(
         "Seconds SIGTERM waits for in-flight requests to finish before exiting.",
         default=DRAIN_TIMEOUT_S)
+    engine_restart_attempts: int = _doc(
+        "When the scheduler or detokenizer process dies (multiprocess mode), fail the requests "
+        "in flight, answer 503 \"engine restarting\" with Retry-After, and start both again: "
+        "up to this many failed starts in a row (0.5 s before the first, doubling up to 8 s), "
+        "then exit with status 3. 0: exit with status 3 when one dies.", default=5)
     log_level: str = _doc("Log level: debug, info, warning, error, critical.", default="info")

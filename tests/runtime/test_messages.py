@@ -80,6 +80,7 @@ EXAMPLES = [
     ),
     m.ErrorOutput(rid="r9", message="prompt too long", status_code=400),
     m.ErrorOutput(rid="r10", message="top_k must be ...", status_code=400, param="top_k"),
+    m.ProcessProgress(process="scheduler", phase="compiling kernels"),
     m.ProcessReady(process="scheduler", info={"max_total_tokens": 4096}),
     m.ProcessFailed(process="scheduler", error_type="ModelLoadError", message="no weights",
                     traceback="Traceback ..."),

@@ -1,12 +1,12 @@
 """A real ArborLM server in a subprocess, for the server tests.
 
-`running_server(model_path, *flags)` starts `python -m arborlm.server` (without `--model-path`
-when `model_path` is None: the default model) on a free loopback port
-(`--port 0`; the port is read from the server's ready line), waits until `/health` answers, and
-on exit stops it with SIGTERM and asserts that it exited with status 0 and left no child
-process behind. The server's log goes to a temporary file, printed when startup fails. The
-engine mode is the server's default (multi-process) unless `$ARBORLM_TEST_ENGINE_MODE` names
-one, e.g. `ARBORLM_TEST_ENGINE_MODE=inprocess pytest tests/server`.
+`running_server(model_path, *flags, env=None)` starts `python -m arborlm.server` (without
+`--model-path` when `model_path` is None: the default model) on a free loopback port (`--port 0`;
+the port is read from the server's ready line) with `env` added to its environment, waits until
+`/health` answers, and on exit stops it with SIGTERM and asserts that it exited with status 0 and
+left no child process behind. The server's log goes to a temporary file, printed when startup
+fails. The engine mode is the server's default (multi-process) unless `$ARBORLM_TEST_ENGINE_MODE`
+names one, e.g. `ARBORLM_TEST_ENGINE_MODE=inprocess pytest tests/server`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ STOP_TIMEOUT_S = 60.0
 
 
 class ServerProcess:
-    def __init__(self, model_path: str | Path | None, flags: list[str]):
+    def __init__(self, model_path: str | Path | None, flags: list[str],
+                 env: dict[str, str] | None = None):
         self.log = Path(tempfile.mkstemp(prefix="arborlm-server-", suffix=".log")[1])
         model = [] if model_path is None else ["--model-path", str(model_path)]
         cmd = [sys.executable, "-m", "arborlm.server", *model,
@@ -40,7 +41,8 @@ class ServerProcess:
             cmd += ["--engine-mode", os.environ["ARBORLM_TEST_ENGINE_MODE"]]
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                              **(env or {})})
         self.url = ""
         self.children: list[psutil.Process] = []
 
@@ -74,6 +76,11 @@ class ServerProcess:
             self.proc.kill()
             raise
 
+    def refresh_children(self) -> None:
+        """Note the server's descendants now (after its engine was replaced)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.children = psutil.Process(self.proc.pid).children(recursive=True)
+
     def assert_no_children_left(self) -> None:
         _, alive = psutil.wait_procs(self.children, timeout=10)
         assert not alive, f"children left running: {alive}"
@@ -89,11 +96,13 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(model_path: str | Path | None, *flags: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(model_path, list(flags))
+def running_server(model_path: str | Path | None, *flags: str,
+                   env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    server = ServerProcess(model_path, list(flags), env)
     try:
         server.wait_ready()
         yield server
+        server.refresh_children()
         code = server.terminate()
         assert code == 0, f"server exited with {code}:\n{server.log_text()[-3000:]}"
         server.assert_no_children_left()

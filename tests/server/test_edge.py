@@ -146,6 +146,7 @@ def test_full_queue_answers_503_with_retry_after(http):
         assert "overloaded" in busy.json()["error"]["message"]
         v1 = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert v1.status_code == 503 and v1.json()["error"]["type"] == "server_error"
+        assert v1.json()["error"]["code"] == "overloaded"
     assert_healthy(http)
 
 

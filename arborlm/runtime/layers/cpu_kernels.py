@@ -40,21 +40,33 @@ layer: 143 us against 401 us for the matmuls; the whole decode step 20.0 -> 13.5
 
 The kernels are C++ torch operators (`torch.ops.arborlm.*`) in one extension, built on first use
 with torch's extension builder (a C++ compiler and ninja; ~20 s, cached on disk after) and traced
-by `torch.compile` as opaque calls. `available(dtype)`, `attention_available(dtype)` and
-`elementwise_available(dtype)` say whether they can run here: an x86 CPU with AVX-512 (and, for
-`panel_linear` in bfloat16, AVX512-BF16), and a build that succeeded; otherwise callers keep their
-library path.
+by `torch.compile` as opaque calls. The build runs in ArborLM's cache directory
+(`build_dir()`, under `$ARBORLM_CACHE_DIR` or ~/.cache/arborlm) while holding an `fcntl.flock`
+on a file next to it: the kernel releases that lock when its holder dies, however it dies, so
+a build killed midway (an OOM kill) never blocks a later start. torch's builder has a lock of
+its own, a plain `lock` file in the build directory that outlives a killed builder and makes
+every later build wait for it forever; whoever holds the flock is the only builder, so a `lock`
+file found then is stale, and the half-built directory is removed and built afresh. A build
+that fails leaves the library kernels serving, with a warning.
+
+`available(dtype)`, `attention_available(dtype)` and `elementwise_available(dtype)` say
+whether they can run here: an x86 CPU with AVX-512 (and, for `panel_linear` in bfloat16,
+AVX512-BF16), and a build that succeeded; otherwise callers keep their library path.
 `ARBORLM_CPU_KERNELS=0` turns them off (to compare).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -118,18 +130,70 @@ def attention_fits(dtype: torch.dtype, group: int, head_dim: int) -> bool:
         and head_dim % 16 == 0 and 0 < head_dim <= 256
 
 
+def build_dir() -> Path:
+    """Where the extension is built and cached: one directory per version of the sources."""
+    from arborlm.runtime.models.factory import cache_root
+
+    return cache_root() / "cpu_kernels" / EXTENSION_NAME
+
+
+def build() -> bool:
+    """Build (or load the cached build of) the operators; whether they are registered. A
+    failure is logged once and leaves the library kernels serving."""
+    return packed_linear_available()
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `<directory>.lock` (the kernel drops it when this process
+    dies); say who holds it while waiting, and write this pid into it once held."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{directory.name}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            logger.warning("waiting for pid %s, which is building ArborLM's CPU kernels in %s",
+                           holder, directory)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load_extension() -> None:
+    from torch.utils.cpp_extension import load
+
+    _find_ninja()
+    directory = build_dir()
+    with _build_lock(directory):
+        if (directory / "lock").exists():
+            logger.warning("removing %s: a build of ArborLM's CPU kernels died there midway "
+                           "(torch's lock file is left); building afresh", directory)
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        logger.info("loading ArborLM's CPU kernels from %s (compiled on first use, ~20 s; "
+                    "cached)", directory)
+        load(EXTENSION_NAME, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+             build_directory=str(directory))
+        logger.info("ArborLM's CPU kernels loaded in %.1f s", time.monotonic() - start)
+
+
 def _build() -> bool:
     global _built
     with _lock:
         if _built is not None:
             return _built
         try:
-            from torch.utils.cpp_extension import load
-
-            _find_ninja()
-            logger.info("loading ArborLM's CPU kernels (compiled on first use, ~20 s; cached)")
-            load(EXTENSION_NAME, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            _load_extension()
         except Exception as exc:  # no compiler, no ninja, a read-only cache: keep the library path
             logger.warning("ArborLM's CPU kernels could not be built (%s); the library "
                            "kernels serve instead", exc)
