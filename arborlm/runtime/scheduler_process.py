@@ -201,7 +201,8 @@ def _decode_options(msg: TokenizedGenerateReq, params: SamplingParams) -> Decode
         stop=list(params.stop), no_stop_trim=params.no_stop_trim,
         return_text_in_logprobs=msg.return_text_in_logprobs,
         prompt_tail_ids=msg.input_ids[-PROMPT_CONTEXT_TOKENS:],
-        stop_regex=list(params.stop_regex), stream=msg.stream)
+        stop_regex=list(params.stop_regex), stream=msg.stream,
+        min_new_tokens=params.min_new_tokens)
 
 
 def _token_batch(entries: list[tuple[ReqOutput, DecodeOptions | None, LogprobChunk | None]]
