@@ -24,6 +24,7 @@ process it ends the process (see `scheduler_process.py`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -509,6 +510,7 @@ class Scheduler:
         running, waiting = self.num_requests()
         prompt = self.stats["prefill_tokens"] + self.stats["cached_tokens"]
         return {
+            "scheduler_pid": os.getpid(),
             "max_total_num_tokens": self.max_total_tokens,
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,
