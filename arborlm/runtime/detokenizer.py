@@ -14,7 +14,8 @@ Three rules shape what becomes visible:
   `matched_stop` is set, and no more text is added. The match that *completes first* wins (the
   smallest end offset; of those, the longest): it is the match a character-by-character stream
   would meet first, so the result does not depend on how tokens were grouped into `add` calls.
-  The scheduler uses the same rule through `find_stop`.
+  An Aho-Corasick automaton (`stop_matcher.StopStringMatcher`) applies the rule one character
+  at a time; `find_stop` states it directly and is the tests' reference.
 - **Equal to a full decode.** At the end, `text` equals `decode_text(tokenizer, all_ids, ...)`
   (cut at the stop string, if one matched). `decode_text` is `tokenizer.decode` except for
   `spaces_between_special_tokens=True` with `skip_special_tokens=False`: the fast tokenizers of
@@ -39,6 +40,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from arborlm.runtime.stop_matcher import StopStringMatcher
+
 REPLACEMENT_CHAR = "\ufffd"
 # How many trailing prompt tokens give the first decode window its context.
 PROMPT_CONTEXT_TOKENS = 5
@@ -48,7 +51,8 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str
     """First stop string to complete in `text[start:]`: `(index of its start, the string)`.
 
     "First to complete" means the smallest end offset; ties go to the longest string. Empty
-    stop strings are ignored. Returns None when no stop string occurs.
+    stop strings are ignored. Returns None when no stop string occurs. The definition the
+    incremental automaton must agree with (O(len(text) x len(stops)); not for the hot path).
     """
     best: tuple[int, int, str] | None = None  # (end, -length, stop)
     for stop in stops:
@@ -163,14 +167,13 @@ class IncrementalDetokenizer:
         self._boundaries = (
             specials if spaces_between_special_tokens and not skip_special_tokens else {}
         )
-        self._stops = [s for s in stop if s]
+        stops = [s for s in stop if s]
+        self._stops = StopStringMatcher(stops) if stops else None
         self._no_stop_trim = no_stop_trim
-        self._stop_prefixes = {s[:i] for s in self._stops for i in range(1, len(s))}
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._window = _WindowDecoder(self._decode, self._context(prompt_ids or [], specials))
         self._decoded = ""  # all text decoded so far, before stop-string handling
         self._visible = 0  # how much of `_decoded` has been surfaced
-        self._scanned = 0  # `_decoded[:_scanned]` holds no complete stop string
+        self._scanned = 0  # `_decoded[:_scanned]` was fed to the stop-string automaton
         self._new_piece = False  # the next decoded text starts a new space-joined piece
         self._matched_stop: str | None = None
         self._finished = False
@@ -190,6 +193,16 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """Cumulative visible text."""
         return self._decoded[: self._visible]
+
+    @property
+    def visible_len(self) -> int:
+        """`len(self.text)`, without building the text."""
+        return self._visible
+
+    @property
+    def decoded(self) -> str:
+        """All text decoded so far (no copy); only its first `visible_len` characters are final."""
+        return self._decoded
 
     @property
     def matched_stop(self) -> str | None:
@@ -241,28 +254,22 @@ class IncrementalDetokenizer:
         self._decoded += text
 
     def _surface(self, final: bool) -> str:
-        """Move the visible end forward as far as stop strings allow; return the delta."""
+        """Move the visible end forward as far as stop strings allow; return the delta.
+
+        Only the text decoded since the last call is fed to the automaton, so stop strings
+        cost O(1) amortized per character however long the output grows."""
         end = len(self._decoded)
-        if self._stops:
-            match = find_stop(
-                self._decoded, self._stops, max(0, self._scanned - self._max_stop_len + 1)
-            )
-            self._scanned = end
+        if self._stops is not None:
+            match = self._stops.feed(self._decoded[self._scanned:])
             if match is not None:
-                idx, stop = match
+                stop_end = self._scanned + match[0]
+                stop = match[1]
                 self._matched_stop = stop
-                end = idx + len(stop) if self._no_stop_trim else idx
+                end = stop_end if self._no_stop_trim else stop_end - len(stop)
             elif not final:
-                end -= self._held_len()
+                end -= self._stops.held_len
+            self._scanned = len(self._decoded)
         assert end >= self._visible, (end, self._visible)
         delta = self._decoded[self._visible : end]
         self._visible = end
         return delta
-
-    def _held_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self._decoded
-        for k in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            if text[-k:] in self._stop_prefixes:
-                return k
-        return 0

@@ -19,7 +19,6 @@ schedule.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from arborlm.runtime.detokenizer import IncrementalDetokenizer
@@ -34,6 +33,7 @@ from arborlm.runtime.messages import (
     ShutdownReq,
 )
 from arborlm.runtime.process_utils import StopFlag
+from arborlm.runtime.stop_matcher import finish_text
 from arborlm.runtime.tokenizer_utils import load_tokenizer
 from arborlm.runtime.zmq_queues import PullQueue, PushQueue, terminate_context
 
@@ -44,19 +44,6 @@ CLOSE_LINGER_S = 1.0
 _FLAT = ("output_token_logprobs", "input_token_logprobs")
 _NESTED = ("output_top_logprobs", "output_token_ids_logprobs", "input_top_logprobs",
            "input_token_ids_logprobs")
-
-
-def trim_stop_regex(text: str, reason: dict[str, Any], opts: DecodeOptions) -> str:
-    """Cut the final text at the `stop_regex` match that ended it (as `ResponseBuilder` does)."""
-    matched = reason.get("matched")
-    if reason["type"] != "stop" or not isinstance(matched, str) or not opts.stop_regex \
-            or matched in opts.stop or opts.no_stop_trim:
-        return text
-    for pattern in opts.stop_regex:
-        m = re.search(pattern, text)
-        if m is not None:
-            return text[:m.start()]
-    return text
 
 
 class _RequestText:
@@ -73,8 +60,8 @@ class _RequestText:
         self.unsent_ids: list[int] = []
         self.unsent_logprobs: LogprobChunk | None = None
 
-    def add(self, ids: list[int], reason: dict[str, Any] | None, lp: LogprobChunk | None) -> None:
-        self.detok.add(ids)
+    def add(self, ids: list[int], reason: dict[str, Any] | None, lp: LogprobChunk | None,
+            completion_tokens: int) -> None:
         self.unsent_ids.extend(ids)
         if lp is not None:
             if self.unsent_logprobs is None:
@@ -83,10 +70,14 @@ class _RequestText:
                 for name in _FLAT + _NESTED:
                     getattr(self.unsent_logprobs, name).extend(getattr(lp, name))
         if reason is None:
+            self.detok.add(ids)
             self.text = self.detok.text
         else:
-            self.detok.finish()
-            self.text = trim_stop_regex(self.detok.text, reason, self.opts)
+            o = self.opts
+            self.text = finish_text(
+                self.detok, ids, reason, stop=o.stop, stop_regex=o.stop_regex,
+                no_stop_trim=o.no_stop_trim, min_new_tokens=o.min_new_tokens,
+                completion_tokens=completion_tokens)
 
     def take(self) -> tuple[list[int], LogprobChunk | None]:
         ids, lp = self.unsent_ids, self.unsent_logprobs
@@ -157,7 +148,7 @@ class DetokenizerService:
             reason = batch.finished_reasons[i]
             try:
                 req = self._update(rid, batch.decode_options[i], batch.new_token_ids[i], reason,
-                                   batch.logprobs[i])
+                                   batch.logprobs[i], batch.completion_tokens[i])
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 logger.exception("detokenizing %s failed", rid)
                 self.requests.pop(rid, None)
@@ -172,7 +163,8 @@ class DetokenizerService:
         return _text_batch(batch, sent)
 
     def _update(self, rid: str, opts: DecodeOptions | None, ids: list[int],
-                reason: dict[str, Any] | None, lp: LogprobChunk | None) -> _RequestText | None:
+                reason: dict[str, Any] | None, lp: LogprobChunk | None,
+                completion_tokens: int) -> _RequestText | None:
         if opts is not None:
             self.requests[rid] = _RequestText(self.tokenizer, opts)
         req = self.requests.get(rid)
@@ -182,7 +174,7 @@ class DetokenizerService:
             return None
         if lp is not None and req.opts.return_text_in_logprobs:
             lp = self._with_texts(lp)
-        req.add(ids, reason, lp)
+        req.add(ids, reason, lp, completion_tokens)
         if reason is not None:
             del self.requests[rid]
         return req

@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime.request_limits import (
+    INT32_MAX,
+    INT32_MIN,
+    MAX_ID_CHARS,
+    MAX_TOKEN_IDS_LOGPROB,
+    SEED_MAX,
+    SEED_MIN,
+    check_int,
+    check_text,
+)
 from arborlm.runtime.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 64
@@ -70,6 +80,11 @@ class GenerateRequest:
             raise InvalidRequestError(f"at most {MAX_BATCH} prompts per request", "text")
         params = _per_prompt(self.sampling_params, n_prompts, "sampling_params", {})
         rids = _per_prompt(self.rid, n_prompts, "rid", None)
+        for rid in rids:
+            if rid is not None:
+                check_text(rid, "rid", MAX_ID_CHARS)
+        if self.priority is not None:
+            check_int(self.priority, "priority", INT32_MIN, INT32_MAX)
         if self.rid is not None and len(set(r for r in rids if r is not None)) != len(rids):
             raise InvalidRequestError("duplicate rid in one batch", "rid")
         out: list[SingleRequest] = []
@@ -78,7 +93,7 @@ class GenerateRequest:
             base = rids[i] or uuid.uuid4().hex
             for j in range(sp.n):
                 seed = sp.sampling_seed
-                copy = sp.clone(n=1, sampling_seed=None if seed is None else seed + j)
+                copy = sp.clone(n=1, sampling_seed=None if seed is None else _seed_plus(seed, j))
                 out.append(self._single(i, n_prompts, prompt, copy,
                                         base if sp.n == 1 else f"{base}-{j}", len(out)))
         return out
@@ -88,6 +103,8 @@ class GenerateRequest:
             texts = self.text if isinstance(self.text, list) else [self.text]
             if not all(isinstance(t, str) for t in texts):
                 raise InvalidRequestError("text must be a string or a list of strings", "text")
+            for text in texts:
+                check_text(text, "text")
             return texts
         ids = self.input_ids
         if not isinstance(ids, list):
@@ -97,6 +114,8 @@ class GenerateRequest:
             if not isinstance(row, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in row):
                 raise InvalidRequestError("input_ids must hold integer token ids", "input_ids")
+            for t in row:
+                check_int(t, "input_ids", 0, INT32_MAX, "token ids")
         return batch
 
     def _single(self, i: int, n: int, prompt: Any, sp: SamplingParams, rid: str,
@@ -106,13 +125,18 @@ class GenerateRequest:
         start = _per_prompt(self.logprob_start_len, n, "logprob_start_len", -1)[i]
         top = _per_prompt(self.top_logprobs_num, n, "top_logprobs_num", 0)[i]
         ids_lp = _per_prompt(self.token_ids_logprob, n, "token_ids_logprob", None, nested=True)[i]
-        if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
-                "top_logprobs_num")
-        if not isinstance(start, int) or start < -1:
-            raise InvalidRequestError(f"logprob_start_len must be >= -1, got {start!r}",
-                                      "logprob_start_len")
+        check_int(top, "top_logprobs_num", 0, MAX_TOP_LOGPROBS)
+        check_int(start, "logprob_start_len", -1, INT32_MAX, ">= -1")
+        if ids_lp is not None:
+            if not isinstance(ids_lp, list) or len(ids_lp) > MAX_TOKEN_IDS_LOGPROB:
+                raise InvalidRequestError(
+                    f"token_ids_logprob must be a list of at most {MAX_TOKEN_IDS_LOGPROB} token "
+                    "ids", "token_ids_logprob")
+            for t in ids_lp:
+                check_int(t, "token_ids_logprob", 0, INT32_MAX, "token ids")
+        extra_key = _per_prompt(self.extra_key, n, "extra_key", None)[i]
+        if extra_key is not None:
+            check_text(extra_key, "extra_key", MAX_ID_CHARS)
         return SingleRequest(
             rid=rid,
             text=prompt if isinstance(prompt, str) else None,
@@ -124,10 +148,16 @@ class GenerateRequest:
             token_ids_logprob=list(ids_lp) if ids_lp else None,
             return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
-            extra_key=_per_prompt(self.extra_key, n, "extra_key", None)[i],
+            extra_key=extra_key,
             priority=self.priority or 0,
             index=index,
         )
+
+
+def _seed_plus(seed: int, j: int) -> int:
+    """Sequence j's seed: `seed + j`, wrapped into the signed 64-bit range of seeds."""
+    span = SEED_MAX - SEED_MIN + 1
+    return (seed + j - SEED_MIN) % span + SEED_MIN
 
 
 def _per_prompt(value: Any, n: int, name: str, default: Any, nested: bool = False) -> list[Any]:

@@ -5,7 +5,8 @@ grammars' compiles, so a bad grammar raises `GrammarError` like other invalid in
 the requests to the scheduler thread through a command queue. The scheduler thread steps while it
 has work and blocks on the queue when idle; each step's reports go to per-request
 `ResponseBuilder`s and from there, as events, to the waiting caller's asyncio queue
-(`call_soon_threadsafe`). Torch releases the GIL inside its kernels, so callers stay responsive
+(`call_soon_threadsafe`); a builder that raises ends its own request with an abort (500), the
+others go on. Torch releases the GIL inside its kernels, so callers stay responsive
 while the model runs. Concurrent callers are batched together, which is what makes the DSL's
 parallel programs fast in-process.
 """
@@ -217,7 +218,15 @@ class InProcessClient(EngineClient):
             sink = self._sinks.get(out.rid)
             if sink is None:
                 continue
-            sink.builder.add(out)
+            try:
+                sink.builder.add(out)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("detokenizing %s failed", out.rid)
+                del self._sinks[out.rid]
+                if out.finished_reason is None:
+                    self.scheduler.abort(out.rid)
+                sink.push((sink.index, _abort_event(sink, f"detokenizer failed: {e!r}", 500)))
+                continue
             if sink.builder.finished:
                 del self._sinks[out.rid]
             if sink.stream:
@@ -226,7 +235,7 @@ class InProcessClient(EngineClient):
                 sink.push((sink.index, sink.builder.result()))
 
 
-def _abort_event(sink: _Sink, message: str) -> dict[str, Any]:
-    reason = FinishReason.abort(message, 400).to_json()
+def _abort_event(sink: _Sink, message: str, status: int = 400) -> dict[str, Any]:
+    reason = FinishReason.abort(message, status).to_json()
     return {"text": "", "output_ids": [], "meta_info": {"id": sink.builder.req.rid,
                                                        "finish_reason": reason}}

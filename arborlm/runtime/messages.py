@@ -71,6 +71,7 @@ class DecodeOptions(_Part):
     prompt_tail_ids: list[int] = []
     stop_regex: list[str] = []  # a `stop_regex` match cuts the final text at its start
     stream: bool = False  # False: the detokenizer sends the request's text only when it ends
+    min_new_tokens: int = 0  # stop_regex is scanned from then on (`stop_matcher.finish_text`)
 
 
 # --- tokenizer manager -> scheduler ------------------------------------------------------------

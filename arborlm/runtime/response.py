@@ -10,13 +10,13 @@ thread (the detokenizer gives the same text however the ids are split).
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
 from arborlm.runtime.detokenizer import IncrementalDetokenizer
 from arborlm.runtime.generate_request import SingleRequest
 from arborlm.runtime.scheduler.outputs import ReqOutput
+from arborlm.runtime.stop_matcher import finish_text
 
 _LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
                  "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
@@ -44,7 +44,10 @@ class ResponseBuilder:
     def add(self, out: ReqOutput) -> None:
         self.output_ids.extend(out.new_token_ids)
         if self._deferred is None:
-            self.detok.add(out.new_token_ids)
+            if out.finished_reason is None:
+                self.detok.add(out.new_token_ids)
+            else:
+                self._deferred = list(out.new_token_ids)  # fed by `_finish`
         else:
             self._deferred.extend(out.new_token_ids)
         self.meta.update(completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
@@ -68,20 +71,12 @@ class ResponseBuilder:
 
     def _finish(self, reason: dict[str, Any]) -> None:
         self.finished = True
-        if self._deferred:
-            self.detok.add(self._deferred)
-        self.detok.finish()
-        text = self.detok.text
         p = self.req.sampling_params
-        matched = reason.get("matched")
-        if reason["type"] == "stop" and isinstance(matched, str) and p.stop_regex \
-                and matched not in p.stop and not p.no_stop_trim:
-            for pattern in p.stop_regex:
-                m = re.search(pattern, text)
-                if m is not None:
-                    text = text[:m.start()]
-                    break
-        self.text = text
+        self.text = finish_text(
+            self.detok, self._deferred or [], reason, stop=p.stop, stop_regex=p.stop_regex,
+            no_stop_trim=p.no_stop_trim, min_new_tokens=p.min_new_tokens,
+            completion_tokens=len(self.output_ids))
+        self._deferred = []
         self.meta["finish_reason"] = reason
         self.meta["e2e_latency"] = round(time.monotonic() - self.start, 6)
 

@@ -12,9 +12,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime.request_limits import (
+    INT32_MAX,
+    MAX_ABS_LOGIT_BIAS,
+    MAX_STOP_REGEX_CHARS,
+    MAX_STOP_REGEXES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOP_TOTAL_CHARS,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+    check_bool,
+    check_float,
+    check_int,
+    check_text,
+    compile_stop_regex,
+)
 
 GREEDY_TEMPERATURE = 1e-6
-MAX_STOP_STRINGS = 64
 MAX_N = 64
 # The grammar engines a request may pick (`arborlm.constrained.GRAMMAR_BACKENDS`, repeated here
 # so that validating a request does not import the grammar package and torch).
@@ -71,7 +88,7 @@ class SamplingParams:
         if "logit_bias" in d:
             try:
                 d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
-            except (TypeError, ValueError, AttributeError) as e:
+            except (TypeError, ValueError, AttributeError, OverflowError) as e:
                 raise InvalidRequestError(
                     "logit_bias must map token ids to numbers", param="logit_bias"
                 ) from e
@@ -97,76 +114,102 @@ class SamplingParams:
         return None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise `InvalidRequestError` naming the first field out of its allowed range."""
+        """Raise `InvalidRequestError` naming the first field out of its allowed range.
+
+        Every number is checked for type, finiteness and range, every string for valid Unicode
+        and size (`request_limits`), and every `stop_regex` is compiled with RE2."""
 
         def bad(name: str, allowed: str) -> InvalidRequestError:
             value = getattr(self, name)
             return InvalidRequestError(f"{name} must be {allowed}, got {value!r}", param=name)
 
-        def check_type(name: str, types: tuple[type, ...]) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) and bool not in types:
-                raise bad(name, f"of type {'/'.join(t.__name__ for t in types)}")
-            if not isinstance(value, types):
-                raise bad(name, f"of type {'/'.join(t.__name__ for t in types)}")
-
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
-            check_type(name, (int,))
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty"):
-            check_type(name, (int, float))
-        if self.max_new_tokens < 0:
-            raise bad("max_new_tokens", ">= 0")
-        if not 0 <= self.min_new_tokens:
-            raise bad("min_new_tokens", ">= 0")
+        check_int(self.max_new_tokens, "max_new_tokens", 0, INT32_MAX)
+        check_int(self.min_new_tokens, "min_new_tokens", 0, INT32_MAX)
         if self.min_new_tokens > self.max_new_tokens:
             raise bad("min_new_tokens", f"<= max_new_tokens ({self.max_new_tokens})")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
+        check_float(self.temperature, "temperature", 0, MAX_TEMPERATURE)
+        check_float(self.top_p, "top_p", 0, 1, lo_open=True)
+        check_int(self.top_k, "top_k", -1, INT32_MAX, "-1 (all) or a positive integer")
+        if self.top_k == 0:
             raise bad("top_k", "-1 (all) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "in [-2, 2]")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            raise bad("repetition_penalty", "in (0, 2]")
-        if not 1 <= self.n <= MAX_N:
-            raise bad("n", f"in [1, {MAX_N}]")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise bad("stop", "a string or a list of strings")
-        if any(s == "" for s in self.stop):
-            raise bad("stop", "non-empty strings")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise bad("stop", f"at most {MAX_STOP_STRINGS} strings")
+        check_float(self.min_p, "min_p", 0, 1)
+        check_float(self.frequency_penalty, "frequency_penalty", -2, 2)
+        check_float(self.presence_penalty, "presence_penalty", -2, 2)
+        check_float(self.repetition_penalty, "repetition_penalty", 0, 2, lo_open=True)
+        check_int(self.n, "n", 1, MAX_N)
+        for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            check_bool(getattr(self, name), name)
+        self._validate_stops()
+        if self.sampling_seed is not None:
+            check_int(self.sampling_seed, "sampling_seed", SEED_MIN, SEED_MAX,
+                      "a signed 64-bit integer")
+        if not isinstance(self.logit_bias, dict):
+            raise bad("logit_bias", "an object mapping token ids to numbers")
+        for tok, value in self.logit_bias.items():
+            check_int(tok, "logit_bias", 0, INT32_MAX, "keyed by token ids")
+            check_float(value, "logit_bias", -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS,
+                        allowed=f"in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}] per token")
+        self._validate_grammar()
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if t >= vocab_size:
+                    raise bad("stop_token_ids", f"token ids below the vocabulary size {vocab_size}")
+            for t in self.logit_bias:
+                if not 0 <= t < vocab_size:
+                    raise bad("logit_bias", f"keyed by token ids in [0, {vocab_size})")
+
+    def _validate_stops(self) -> None:
+        """Stop strings, regexes and token ids: types, Unicode, counts and sizes, RE2 syntax."""
+        for name, most, longest in (("stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS),
+                                    ("stop_regex", MAX_STOP_REGEXES, MAX_STOP_REGEX_CHARS)):
+            values = getattr(self, name)
+            if not isinstance(values, list):
+                raise InvalidRequestError(f"{name} must be a string or a list of strings", name)
+            if len(values) > most:
+                raise InvalidRequestError(
+                    f"{name} must be at most {most} strings, got {len(values)}", name)
+            for value in values:
+                check_text(value, name, longest)
+                if value == "":
+                    raise InvalidRequestError(f"{name} must be non-empty strings", name)
+        total = sum(map(len, self.stop)) + sum(map(len, self.stop_regex))
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise InvalidRequestError(
+                f"stop and stop_regex must total at most {MAX_STOP_TOTAL_CHARS} characters, "
+                f"got {total}", "stop" if self.stop else "stop_regex")
+        for pattern in self.stop_regex:
+            compile_stop_regex(pattern)
         ids = self.stop_token_ids
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise bad("stop_token_ids", "a list of non-negative token ids")
-        if self.sampling_seed is not None and (
-            not isinstance(self.sampling_seed, int) or isinstance(self.sampling_seed, bool)
-        ):
-            raise bad("sampling_seed", "an integer")
+        if not isinstance(ids, list):
+            raise InvalidRequestError("stop_token_ids must be a list of token ids",
+                                      "stop_token_ids")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                "stop_token_ids")
+        for t in ids:
+            check_int(t, "stop_token_ids", 0, INT32_MAX, "a list of non-negative token ids")
+
+    def _validate_grammar(self) -> None:
         grammars = [k for k in ("json_schema", "regex", "ebnf", "structural_tag", "choices")
                     if getattr(self, k) is not None]
         if len(grammars) > 1:
             raise InvalidRequestError(
                 f"at most one of json_schema / regex / ebnf / structural_tag / choices may be "
                 f"set, got {', '.join(grammars)}", param=grammars[1])
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if getattr(self, name) is not None:
+                check_text(getattr(self, name), name)
+        if self.choices is not None:
+            if not isinstance(self.choices, list):  # an empty list is the compiler's error
+                raise InvalidRequestError("choices must be a list of strings", "choices")
+            for choice in self.choices:
+                check_text(choice, "choices")
         if self.grammar_backend is not None and self.grammar_backend not in GRAMMAR_BACKENDS:
-            raise bad("grammar_backend", f"one of {', '.join(GRAMMAR_BACKENDS)}")
-        if vocab_size is not None:
-            for t in ids:
-                if t >= vocab_size:
-                    raise bad("stop_token_ids", f"token ids below the vocabulary size {vocab_size}")
-            for t in self.logit_bias:
-                if not 0 <= t < vocab_size:
-                    raise bad("logit_bias", f"keyed by token ids in [0, {vocab_size})")
+            raise InvalidRequestError(
+                f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got "
+                f"{self.grammar_backend!r}", "grammar_backend")
 
     def clone(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)

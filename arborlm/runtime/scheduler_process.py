@@ -13,9 +13,10 @@ the effect of the aborts received with them: an aborted request is released by t
 when the scheduler is idle (False with the reason while requests are pending).
 
 Failure policy: an exception while adding one request ends that request with an `ErrorOutput`
-(400 for invalid requests, 500 otherwise) and nothing else. An exception inside `step()` leaves
-the scheduler's state unknown, so it ends the process; `process_utils` reports the error to the
-parent, which fails every pending call with it.
+(400 for invalid requests, 500 otherwise) and nothing else. Inside `step()`, the scheduler's
+per-request guards end a request whose own work fails with an abort (500) and go on (see
+`Scheduler`); any other exception there leaves the scheduler's state unknown, so it ends the
+process; `process_utils` reports the error to the parent, which fails every pending call with it.
 
 This is tensor-parallel rank 0: it owns the sockets. Other ranks would receive what rank 0
 broadcasts on `IpcAddresses.rank_broadcast(rank)`; they do not exist yet. This module does not
@@ -207,7 +208,8 @@ def _decode_options(msg: TokenizedGenerateReq, params: SamplingParams) -> Decode
         stop=list(params.stop), no_stop_trim=params.no_stop_trim,
         return_text_in_logprobs=msg.return_text_in_logprobs,
         prompt_tail_ids=msg.input_ids[-PROMPT_CONTEXT_TOKENS:],
-        stop_regex=list(params.stop_regex), stream=msg.stream)
+        stop_regex=list(params.stop_regex), stream=msg.stream,
+        min_new_tokens=params.min_new_tokens)
 
 
 def _token_batch(entries: list[tuple[ReqOutput, DecodeOptions | None, LogprobChunk | None]]

@@ -48,8 +48,16 @@ def is_openai_path(path: str) -> bool:
     return path.startswith(OPENAI_PREFIX)
 
 
+def encodable(text: str) -> str:
+    """`text` with lone surrogates (which no JSON encoder writes) as `\\udXXX` escapes: error
+    messages may quote what the client sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(path: str, status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
+    message = encodable(message)
+    param = None if param is None else encodable(param)
     if not is_openai_path(path):
         return {"error": {"message": message}}
     kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")

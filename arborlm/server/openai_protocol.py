@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from arborlm.server.limits import MAX_N, MAX_OPENAI_TOP_LOGPROBS, MAX_STOP_STRINGS
-from arborlm.server.protocol import Bool, Float, Int, Str, TokenIds
+from arborlm.server.limits import MAX_N, MAX_OPENAI_TOP_LOGPROBS
+from arborlm.server.protocol import Bool, Float, Int, JsonObject, Str, TokenIds, valid_tree
 
-StopList = Annotated[list[Str], Field(max_length=MAX_STOP_STRINGS)]
 ANY_OBJECT = {"type": "object"}  # `json_object`, and `json_schema` without a schema
 
 
@@ -40,15 +39,15 @@ class _SamplingFields(_Model):
     n: Int = Field(default=1, ge=1, le=MAX_N)
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    stop: Str | StopList | None = None
+    stop: Str | list[Str] | None = None
     seed: Int | None = None
     presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[Str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # OpenAI fields accepted and ignored.
     user: Str | None = None
     store: Bool | None = None
-    metadata: dict[str, Str] | None = None
+    metadata: dict[Str, Str] | None = None
     service_tier: Str | None = None
     # ArborLM / SGLang extensions (API.md).
     top_k: Int | None = None
@@ -108,6 +107,11 @@ class ContentPart(BaseModel):
     type: Str
     text: Str | None = None
 
+    @model_validator(mode="after")
+    def _valid_extras(self) -> ContentPart:
+        valid_tree(self.model_extra or {})
+        return self
+
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -137,7 +141,7 @@ class ChatMessage(BaseModel):
 class FunctionDef(_Model):
     name: Str
     description: Str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: Bool | None = None
 
 
@@ -158,7 +162,7 @@ class NamedToolChoice(_Model):
 class JsonSchemaSpec(_Model):
     name: Str | None = None
     description: Str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: Bool | None = None
 
 
@@ -205,4 +209,4 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None

@@ -1,8 +1,10 @@
 """Pydantic models of the native API's requests (SGLang's field names, see API.md).
 
-These models check types and shapes at the edge; value ranges that the engine also needs
-(sampling ranges, `n`, stop-string count, logprob options) are checked once, by the engine's
-`SamplingParams` / `GenerateRequest`, whose errors name the field and its allowed range.
+These models check types and shapes at the edge, and that every string is valid Unicode (`Str`,
+`JsonObject`); value ranges, finiteness and sizes that the engine also needs (sampling ranges,
+seeds, `n`, stop strings and regexes, logprob options) are checked once, by the engine's
+`SamplingParams` / `GenerateRequest` (`arborlm.runtime.request_limits`), whose errors name the
+field and its allowed range.
 `to_generate_request()` builds the engine's one internal request shape. Fields that SGLang
 clients send but ArborLM does not implement (LoRA, images, ...) are accepted only at their
 "off" value, so scripts written for SGLang work unchanged and a real use of them is a clear 400.
@@ -12,15 +14,37 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Strict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Strict, model_validator
 
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.generate_request import GenerateRequest
+from arborlm.runtime.request_limits import tree_error, unicode_error
+
+
+def _valid_unicode(value: str) -> str:
+    why = unicode_error(value)
+    if why is not None:
+        raise ValueError(why)
+    return value
+
+
+def valid_tree(value: Any) -> Any:
+    found = tree_error(value)
+    if found is not None:
+        path, why = found
+        raise ValueError(f"{path} {why}" if path else why)
+    return value
+
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict float still accepts JSON integers
 Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+# Every string of every request is valid Unicode: JSON can carry a lone surrogate (`"\ud800"`),
+# which no tokenizer, encoder or socket accepts.
+Str = Annotated[str, Strict(), AfterValidator(_valid_unicode)]
+# Free-form JSON objects (tool parameters, schemas, template arguments): valid Unicode in every
+# key and string, finite numbers.
+JsonObject = Annotated[dict[str, Any], AfterValidator(valid_tree)]
 TokenIds = list[Int]
 
 # SGLang request fields ArborLM does not implement; accepted when null / false / empty.
@@ -56,7 +80,7 @@ class SamplingParamsInput(_Model):
     skip_special_tokens: Bool | None = None
     spaces_between_special_tokens: Bool | None = None
     n: Int | None = None
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: dict[Str, Float] | None = None
     sampling_seed: Int | None = None
     json_schema: Str | None = None
     regex: Str | None = None

@@ -26,6 +26,7 @@ def event(payload: Any) -> bytes:
 
 
 def error_event(message: str, code: int) -> bytes:
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogates
     return event({"error": {"message": message, "code": code}})
 
 

@@ -2,13 +2,17 @@
 
 `request_bodies(Model)` draws dicts with the model's required fields and up to four of its
 optional ones (two in nested objects), whose values are mostly of the declared type — small
-and extreme numbers, valid literals, nested models drawn the same way — and sometimes
-arbitrary JSON of the wrong type. Most bodies pass validation, so the fuzzing reaches the
-engine's range checks and the generation path as well as the 400s.
+and extreme numbers (integers past 64 bits, NaN, infinities), strings with lone surrogates,
+huge strings and pathological regexes, valid literals, nested models drawn the same way — and
+sometimes arbitrary JSON of the wrong type (`encode_body` writes what JSON libraries refuse).
+Most bodies pass validation, so the fuzzing reaches the engine's range checks and the generation
+path as well as the 400s.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import types
 import typing
 from typing import Any
@@ -22,9 +26,21 @@ JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5),
 JSON = st.recursive(JSON_SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
     max_leaves=6)
-INTS = st.one_of(st.integers(-3, 24), st.sampled_from([-(2**31), 2**31, 10**12]))
-FLOATS = st.one_of(st.floats(-3, 3, allow_nan=False), st.sampled_from([0.0, 1.0, 1e9, -1e9]))
-TEXT = st.text(st.characters(codec="utf-8"), max_size=24)
+INTS = st.integers(0, 3).flatmap(lambda k: st.sampled_from(
+    [-(2**31), 2**31, 10**12, 2**63, -(2**63) - 1, 2**70]) if k == 0 else st.integers(-3, 24))
+# NaN and the infinities reach the server as the `NaN` / `Infinity` literals Python's JSON
+# writes (send bodies with `encode_body`).
+FLOATS = st.integers(0, 3).flatmap(lambda k: st.sampled_from(
+    [0.0, 1.0, 1e9, -1e9, 1e308, math.nan, math.inf, -math.inf]) if k == 0
+    else st.floats(-3, 3, allow_nan=False))
+# Huge strings, lone surrogates (JSON `\ud800` escapes) and pathological regexes.
+PATHOLOGICAL = st.sampled_from([
+    "x" * 100_000, "ab\ud800cd", "\udfff", "([", "(a+)+b", r"(\w+)\1", "(?=a)", "a{1000}{1000}",
+])
+_PLAIN = st.text(st.characters(codec="utf-8"), max_size=24)
+# one_of picks its branches about evenly, so weigh by hand: 1 in 8 each is hostile
+TEXT = st.integers(0, 7).flatmap(lambda k: PATHOLOGICAL if k == 0 else _PLAIN.map(
+    lambda t: t + "\ud800") if k == 1 else _PLAIN)
 
 
 def value_strategy(annotation: Any, depth: int = 0) -> st.SearchStrategy:
@@ -71,3 +87,8 @@ def request_bodies(model: type[BaseModel], depth: int = 0) -> st.SearchStrategy[
         return out
 
     return body()
+
+
+def encode_body(body: Any) -> bytes:
+    """JSON as Python writes it: NaN / Infinity literals, lone surrogates as `\\ud800`."""
+    return json.dumps(body).encode()

@@ -6,18 +6,28 @@ answers each with a 4xx or a 200, never a 5xx, and stays healthy."""
 from __future__ import annotations
 
 import json
+import math
+import threading
 from collections import Counter
 
 import httpx
 import openai
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from arborlm.runtime.generate_request import MAX_TOP_LOGPROBS
+from arborlm.runtime.request_limits import (
+    MAX_STOP_REGEX_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_TOTAL_CHARS,
+    MAX_TOKEN_IDS_LOGPROB,
+)
 from arborlm.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from arborlm.server.protocol import GenerateReqInput
 from tests.server.server_process import running_server
-from tests.server.strategies import request_bodies
+from tests.server.strategies import encode_body, request_bodies
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -150,6 +160,157 @@ def test_full_queue_answers_503_with_retry_after(http):
     assert_healthy(http)
 
 
+def post_raw(http: httpx.Client, route: str, body: dict, **kw) -> httpx.Response:
+    """POST `body` as Python's JSON writes it (NaN, Infinity, lone surrogates escaped)."""
+    return http.post(route, content=encode_body(body),
+                     headers={**AUTH, "content-type": "application/json"}, **kw)
+
+
+HELLO = {"text": "hello", "sampling_params": {"max_new_tokens": 4}}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _with(body: dict, **params) -> dict:
+    return {**body, "sampling_params": {**body["sampling_params"], **params}}
+
+
+@pytest.mark.parametrize("route, body, field, hint", [
+    # 1. a 1,000,000-character stop string grew the scheduler to ~18 GB
+    ("/generate", _with(HELLO, stop="x" * 1_000_000), "stop",
+     f"at most {MAX_STOP_STRING_CHARS} characters"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["y" * 5000]}, "stop", "characters"),
+    ("/generate", _with(HELLO, stop=["x" * 1000] * 9), "stop", str(MAX_STOP_TOTAL_CHARS)),
+    # 2. "stop_regex": "([" killed the scheduler process
+    ("/generate", _with(HELLO, stop_regex="(["), "stop_regex", "missing ]"),
+    ("/generate", _with(HELLO, stop_regex=r"(a)\1"), "stop_regex", "no backreferences"),
+    ("/generate", _with(HELLO, stop_regex="z" * (MAX_STOP_REGEX_CHARS + 1)), "stop_regex",
+     str(MAX_STOP_REGEX_CHARS)),
+    # 4. seeds past 64 bits were a 500 ("can't serialize ints")
+    ("/generate", _with(HELLO, sampling_seed=2**70), "sampling_seed", "signed 64-bit"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**70}, "seed",
+     "signed 64-bit"),
+    ("/v1/chat/completions", {**CHAT, "seed": -(2**63) - 1}, "seed", "signed 64-bit"),
+    ("/generate", {**HELLO, "priority": 2**70}, "priority", "2147483647"),
+    # 4. lone surrogates were a 500, streamed or not
+    ("/generate", {"text": "ab\ud800cd"}, "text", "lone surrogate U+D800"),
+    ("/generate", {"text": "ab\ud800cd", "stream": True}, "text", "lone surrogate"),
+    ("/generate", {**HELLO, "rid": "\udc00"}, "rid", "lone surrogate"),
+    ("/generate", _with(HELLO, stop=["ok", "\ud800"]), "stop[1]", "lone surrogate"),
+    ("/v1/completions", {"prompt": "ab\ud800cd", "max_tokens": 2}, "prompt", "lone surrogate"),
+    ("/v1/completions", {"prompt": "ab\ud800cd", "max_tokens": 2, "stream": True}, "prompt",
+     "lone surrogate"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]},
+     "messages[0].content", "lone surrogate"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages[0].content[0].text", "lone surrogate"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "description": "\ud800"}}}]},
+     "tools[0].function.parameters", "description must be valid Unicode"),
+    ("/v1/chat/completions", {**CHAT, "regex": "[a-z]\ud800"}, "regex", "lone surrogate"),
+    # 5. non-finite and out-of-range numbers
+    ("/generate", _with(HELLO, temperature=math.nan), "temperature", "[0, 100]"),
+    ("/generate", _with(HELLO, temperature=math.inf), "temperature", "[0, 100]"),
+    ("/v1/completions", {"prompt": "hi", "temperature": math.inf}, "temperature", "[0, 100]"),
+    ("/v1/chat/completions", {**CHAT, "temperature": math.inf}, "temperature", "[0, 100]"),
+    ("/generate", _with(HELLO, top_p=math.nan), "top_p", "(0, 1]"),
+    ("/generate", _with(HELLO, top_k=2**70), "top_k", "-1 (all)"),
+    ("/generate", _with(HELLO, min_p=-math.inf), "min_p", "[0, 1]"),
+    ("/generate", _with(HELLO, repetition_penalty=math.inf), "repetition_penalty", "(0, 2]"),
+    ("/generate", _with(HELLO, frequency_penalty=math.nan), "frequency_penalty", "[-2, 2]"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": math.nan}, "presence_penalty",
+     "equal to 2 (got nan)"),
+    ("/generate", _with(HELLO, logit_bias={"5": math.nan}), "logit_bias", "1e+09"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": math.inf}}, "logit_bias", "100"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "number", "maximum": math.inf}}}},
+     "schema", "maximum must be a finite number"),
+    ("/generate", {**HELLO, "token_ids_logprob": list(range(MAX_TOKEN_IDS_LOGPROB + 1)),
+                   "return_logprob": True}, "token_ids_logprob", str(MAX_TOKEN_IDS_LOGPROB)),
+])
+def test_regressions_are_400s_naming_field_and_limit(http, route, body, field, hint):
+    r = post_raw(http, route, body)
+    message = error_of(r, 400)
+    assert field in message and hint in message, message
+    if route.startswith("/v1/"):
+        assert field.split("[")[0].split(".")[0] in r.json()["error"]["param"], r.json()
+
+
+def test_catastrophic_stop_regex_does_not_stall_the_scheduler(http):
+    """Bug 3: `"regex": "a{26}c", "stop_regex": "(a+)+b"` backtracked for 14 s in Python's
+    `re` (2^n in the run of "a"s), stalling every request; with 60 "a"s it would never end.
+    RE2 runs it in linear time while another request is served alongside."""
+    body = _with(HELLO, max_new_tokens=80, regex="a{60}c", stop_regex="(a+)+b",
+                 temperature=0)
+    other: dict = {}
+    thread = threading.Thread(target=lambda: other.update(r=http.post("/generate", json=_with(
+        HELLO, max_new_tokens=8, ignore_eos=True))))
+    thread.start()
+    r = post_raw(http, "/generate", body)
+    thread.join()
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "a" * 60 + "c"
+    assert other["r"].status_code == 200 and len(other["r"].json()["output_ids"]) == 8
+    assert_healthy(http)
+
+
+def test_stop_regex_cuts_the_text_where_the_scheduler_stopped(http):
+    for stream in (False, True):
+        body = {**_with(HELLO, max_new_tokens=40, regex="[a-c]{8}xyz[a-c]{8}",
+                        stop_regex=["q+", "y[a-z]"], temperature=0), "stream": stream}
+        r = post_raw(http, "/generate", body)
+        assert r.status_code == 200, r.text
+        final = r.json() if not stream else json.loads(
+            [line for line in r.text.splitlines() if line.startswith("data: {")][-1][6:])
+        assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": "yz"}
+        assert len(final["text"]) == 9 and final["text"].endswith("x")
+
+
+# The scheduler process may grow this much serving the worst requests the limits allow (two at
+# once: --max-running-requests 2). Before the limits, one 1,000,000-character stop string
+# grew it by ~18 GB.
+WORST_REQUESTS_RSS_BOUND = 128 * 1024 * 1024
+
+
+def _worst_body(tag: str) -> dict:
+    stop = [(f"{tag}{i}" + "w" * MAX_STOP_STRING_CHARS)[:MAX_STOP_STRING_CHARS]
+            for i in range(7)]
+    regex_chars = MAX_STOP_TOTAL_CHARS - sum(map(len, stop))
+    words = "|".join(f"{tag}{i:04d}" for i in range(regex_chars // 6))
+    pattern = f"(?:{words})"[:regex_chars].rsplit("|", 1)[0] + ")"
+    return {"text": "word " * (CONTEXT // 2 - 8), "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": MAX_TOP_LOGPROBS,
+            "token_ids_logprob": list(range(MAX_TOKEN_IDS_LOGPROB)),
+            "sampling_params": {"max_new_tokens": CONTEXT // 2, "ignore_eos": True,
+                                "temperature": 1.0, "top_k": 50, "top_p": 0.9,
+                                "repetition_penalty": 1.1, "stop": stop,
+                                "stop_regex": [pattern],
+                                "logit_bias": {str(i): 0.5 for i in range(CONTEXT)}}}
+
+
+def test_worst_requests_the_limits_allow_stay_within_a_memory_bound(http):
+    scheduler = psutil.Process(http.get("/get_server_info").json()["scheduler_pid"])
+    warm = post_raw(http, "/generate", {**_worst_body("warm"), "sampling_params": {
+        **_worst_body("warm")["sampling_params"], "max_new_tokens": 4}})
+    assert warm.status_code == 200, warm.text[:500]
+    base = scheduler.memory_info().rss
+    results: list = []
+    threads = [threading.Thread(target=lambda t=t: results.append(
+        post_raw(http, "/generate", _worst_body(t)))) for t in ("aa", "bb")]
+    for t in threads:
+        t.start()
+    peak = base
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, scheduler.memory_info().rss)
+        threads[0].join(timeout=0.02)
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200, 200], [r.text[:300] for r in results]
+    assert all(r.json()["meta_info"]["finish_reason"]["type"] == "length" for r in results)
+    assert peak - base < WORST_REQUESTS_RSS_BOUND, (base, peak)
+    assert_healthy(http)
+
+
 STATUSES: Counter = Counter()  # (route, status) of the fuzzed requests
 SCHEMAS = {"/generate": GenerateReqInput, "/v1/completions": CompletionRequest,
            "/v1/chat/completions": ChatCompletionRequest}
@@ -172,7 +333,8 @@ def _bounded(route: str, body: dict) -> dict:
 @pytest.mark.parametrize("route", list(SCHEMAS))
 def test_fuzzed_requests_never_get_a_5xx(http, route, data):
     body = _bounded(route, data.draw(request_bodies(SCHEMAS[route])))
-    with http.stream("POST", route, json=body) as r:
+    headers = {**AUTH, "content-type": "application/json"}
+    with http.stream("POST", route, content=encode_body(body), headers=headers) as r:
         payload = r.read()
     assert r.status_code in (200, 400), (r.status_code, payload[:500], body)
     STATUSES[route, r.status_code] += 1

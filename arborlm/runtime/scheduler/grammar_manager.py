@@ -16,7 +16,8 @@ grammar` is (kind, spec)):
    packed int32 bitmask for the batch, only the rows with a grammar, and sets the logits of
    disallowed tokens to -inf before sampling, so the logprobs reflect the constraint (other rows
    are untouched). `accept(req, token)` advances the matcher; `is_terminated(req)` means the
-   request finishes with `stop`.
+   request finishes with `stop`. A matcher that raises (making or filling a mask here; accepting,
+   terminating or jump-forward in `results.py`) fails its own request (abort, 500), not the step.
 4. Jump-forward: `jump_forward(req, limit)` lists the tokens the grammar forces next. The result
    processor appends them (logprob 0.0: each is the only token the mask leaves) without masking
    or sampling them, and the scheduler computes their KV: in one extend step when the batch
@@ -45,6 +46,7 @@ from arborlm.constrained.compile_cache import GrammarCompiler
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.request import FinishReason, Req
 from arborlm.runtime.sampling_params import SamplingParams
+from arborlm.runtime.scheduler.results import fail_request, per_request
 
 
 class GrammarManager:
@@ -102,7 +104,12 @@ class GrammarManager:
             del self._pending[req]
             error = future.exception()
             if error is None:
-                req.grammar = future.result().matcher()
+                try:
+                    req.grammar = future.result().matcher()
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    fail_request(req, "grammar matcher", e)
+                    failed.append(req)
+                    continue
                 self._active += 1
             else:
                 req.finished_reason = FinishReason.abort(str(error), 400)
@@ -135,9 +142,13 @@ class GrammarManager:
         if self._bitmask.shape[0] < len(reqs):
             self._bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
         mask = self._bitmask[:len(reqs)]  # [B, W]; rows without a grammar are not read
+        filled = []
         for i in rows:
-            reqs[i].grammar.fill_bitmask(mask, i)
-        apply_token_bitmask_(logits, mask, rows)
+            with per_request(reqs[i], "grammar mask"):
+                reqs[i].grammar.fill_bitmask(mask, i)
+                filled.append(i)
+        if filled:
+            apply_token_bitmask_(logits, mask, filled)
 
     def accept(self, req: Req, token: int) -> bool:
         """Advance `req`'s matcher on `token`.

@@ -11,20 +11,42 @@ is `grammar_hook`'s (the scheduler's `GrammarManager`); this module only calls i
 from __future__ import annotations
 
 import json
-import re
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from arborlm.runtime.config import EngineConfig
-from arborlm.runtime.detokenizer import IncrementalDetokenizer
 from arborlm.runtime.request import FinishReason, Req
 from arborlm.runtime.sampling.sampler import process_logits, sample
 from arborlm.runtime.sampling.sampling_batch import SamplingBatch
 from arborlm.runtime.scheduler.batch import ScheduledBatch
 from arborlm.runtime.scheduler.outputs import chosen_logprobs, ids_logprobs, top_logprobs
+from arborlm.runtime.scheduler.stop_checker import StopChecker
+
+logger = logging.getLogger(__name__)
+# The status of a request that failed inside the engine (a bug, not the caller's input).
+INTERNAL_ERROR_STATUS = 500
+
+
+def fail_request(req: Req, stage: str, error: BaseException) -> None:
+    """Finish `req` alone with an abort that names the stage that failed (logged with its
+    traceback); the scheduler releases it like any finished request."""
+    logger.error("request %s failed in %s", req.rid, stage, exc_info=error)
+    req.finished_reason = FinishReason.abort(f"{stage} failed: {error!r}", INTERNAL_ERROR_STATUS)
+
+
+@contextmanager
+def per_request(req: Req, stage: str) -> Iterator[None]:
+    """Run one request's share of a step's work; an exception fails that request only."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - one request fails, the batch goes on
+        fail_request(req, stage, e)
 
 
 class ResultProcessor:
@@ -36,14 +58,12 @@ class ResultProcessor:
         self.grammar_hook: Any = None  # set by the grammar manager when grammars are enabled
 
     def attach(self, req: Req) -> None:
-        """Per-request state: a stop-string checker when the request has stop strings/regex."""
+        """Per-request state: a stop checker when the request has stop strings/regex."""
         p = req.sampling_params
         if p.stop or p.stop_regex:
-            req.stop_checker = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids=req.origin_input_ids,
-                skip_special_tokens=p.skip_special_tokens,
-                spaces_between_special_tokens=p.spaces_between_special_tokens,
-                stop=list(p.stop), no_stop_trim=True)
+            req.stop_checker = StopChecker(
+                self.tokenizer, req.origin_input_ids, list(p.stop), list(p.stop_regex),
+                p.skip_special_tokens, p.spaces_between_special_tokens)
             if req.output_ids:
                 req.stop_checker.add(req.output_ids)
 
@@ -58,8 +78,10 @@ class ResultProcessor:
             if (not batch.mode.is_decode and req.wants_input_logprobs
                     and not req.input_logprobs_done):
                 end = batch.prefix_lens[i] + batch.extend_lens[i]
-                self._input_logprobs(req, batch.input_logprob_positions[i],
-                                     logits[first:first + n_input], batch.prefix_lens[i], end)
+                with per_request(req, "input logprobs"):
+                    self._input_logprobs(req, batch.input_logprob_positions[i],
+                                         logits[first:first + n_input], batch.prefix_lens[i],
+                                         end)
             if sample_row < 0 or req.finished:
                 continue
             if batch.prefix_lens[i] + batch.extend_lens[i] < req.total_len:
@@ -102,7 +124,9 @@ class ResultProcessor:
     # --- sampling -----------------------------------------------------------------------------
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        sb = SamplingBatch.build(reqs, self.vocab_size, self.eos_ids)
+        sb, reqs, logits = self._sampling_batch(reqs, logits)
+        if not reqs:
+            return
         logits = process_logits(logits, sb)
         grammar = self.grammar_hook
         if grammar is not None:
@@ -112,16 +136,41 @@ class ResultProcessor:
         chosen = chosen_logprobs(out.logprobs, out.next_ids) if out.logprobs is not None else None
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(reqs, ids)):
+            if req.finished:
+                continue  # its grammar mask failed (`GrammarManager.apply_mask`)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req.grammar is not None and not grammar.accept(req, tok):
+            accepted = False
+            with per_request(req, "grammar"):
+                accepted = req.grammar is None or grammar.accept(req, tok)
+            if not accepted or req.finished:
                 continue  # bans left nothing the grammar allows; `accept` finished the request
             req.output_ids.append(tok)
             if req.return_logprob:
-                self._output_logprobs(req, chosen[i], tok, out.logprobs[i:i + 1])
-            self._check_finished(req, tok)
+                with per_request(req, "output logprobs"):
+                    self._output_logprobs(req, chosen[i], tok, out.logprobs[i:i + 1])
+            if not req.finished:
+                self._check_finished(req, tok)
             if req.grammar is not None and not req.finished:
-                self._jump_forward(req)
+                with per_request(req, "grammar jump-forward"):
+                    self._jump_forward(req)
+
+    def _sampling_batch(self, reqs: list[Req], logits: torch.Tensor
+                        ) -> tuple[SamplingBatch, list[Req], torch.Tensor]:
+        """The batch's sampling tensors. Should building them fail, each request is tried
+        alone: those that fail are finished with the error, the others are sampled."""
+        try:
+            return SamplingBatch.build(reqs, self.vocab_size, self.eos_ids), reqs, logits
+        except Exception:  # noqa: BLE001 - find the request(s) at fault below
+            pass
+        keep = []
+        for i, req in enumerate(reqs):
+            with per_request(req, "sampling parameters"):
+                SamplingBatch.build([req], self.vocab_size, self.eos_ids)
+                keep.append(i)
+        kept = [reqs[i] for i in keep]
+        rows = logits[torch.tensor(keep, dtype=torch.int64)]
+        return SamplingBatch.build(kept, self.vocab_size, self.eos_ids), kept, rows
 
     def take_greedy(self, req: Req, tok: int) -> None:
         """Append `tok`, chosen by a greedy step run ahead (`Scheduler._decode_ahead`) for a
@@ -186,27 +235,32 @@ class ResultProcessor:
                                           or (not p.ignore_eos and tok in self.eos_ids)):
             req.finished_reason = FinishReason("stop", matched=tok)
             return
-        if req.stop_checker is not None and n_out >= p.min_new_tokens:
-            checker = req.stop_checker
-            checker.add([tok])
-            if checker.matched_stop is not None:
-                req.finished_reason = FinishReason("stop", matched=checker.matched_stop)
+        if req.stop_checker is not None:
+            with per_request(req, "stop check"):
+                self._check_stop(req, tok, n_out >= p.min_new_tokens)
+            if req.finished:
                 return
-            for pattern in p.stop_regex:
-                m = re.search(pattern, checker.text)
-                if m is not None:
-                    req.finished_reason = FinishReason("stop", matched=m.group(0))
-                    return
-        elif req.stop_checker is not None:
-            req.stop_checker.add([tok])
-        if self.grammar_hook is not None and req.grammar is not None \
-                and self.grammar_hook.is_terminated(req):
-            req.finished_reason = FinishReason("stop", matched=tok)
-            return
+        if self.grammar_hook is not None and req.grammar is not None:
+            with per_request(req, "grammar"):
+                if self.grammar_hook.is_terminated(req):
+                    req.finished_reason = FinishReason("stop", matched=tok)
+            if req.finished:
+                return
         if n_out >= p.max_new_tokens:
             req.finished_reason = FinishReason("length", length=p.max_new_tokens)
         elif req.total_len >= self.context_length:
             req.finished_reason = FinishReason("length", length=n_out)
+
+    @staticmethod
+    def _check_stop(req: Req, tok: int, check: bool) -> None:
+        """Feed `tok` to the stop checker; with `check` (past `min_new_tokens`), finish `req`
+        with `stop` when its text reached a stop string or a `stop_regex` match."""
+        if not check:
+            req.stop_checker.add([tok])
+            return
+        matched = req.stop_checker.check(tok)
+        if matched is not None:
+            req.finished_reason = FinishReason("stop", matched=matched)
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: Any) -> tuple[int, ...]:

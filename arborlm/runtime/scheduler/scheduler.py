@@ -10,16 +10,27 @@ Grammar work lives in `GrammarManager`; requests waiting for their grammar's com
 the waiting queue but are not admitted until it is ready. The same class runs in-process
 (`Engine`) and inside the scheduler process; it knows nothing of sockets, HTTP or text beyond
 the stop-string checks.
+
+Failures: work done for one request (its stop checker, grammar matcher, sampling parameters,
+input / output logprobs, jump-forward) runs behind a per-request guard (`results.per_request`):
+an exception there finishes that request alone with an abort (status 500, the stage and the
+error in its message) and the step goes on for the others; its KV is released as for any
+finished request. An exception in the batch's own work (the forward pass, the batched sampler,
+the KV pool or the prefix cache) leaves the scheduler's state unknown and is not caught here:
+in-process it ends the scheduler thread and every pending call fails with it; in the scheduler
+process it ends the process (see `scheduler_process.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 import torch
 
+from arborlm.errors import InvalidRequestError
 from arborlm.radix_cache import create_prefix_cache
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.forward_batch import ForwardMode
@@ -31,7 +42,7 @@ from arborlm.runtime.scheduler.grammar_manager import GrammarManager
 from arborlm.runtime.scheduler.in_batch_prefix import InBatchPrefixFilter, NoInBatchFilter
 from arborlm.runtime.scheduler.outputs import ReqOutput, make_output
 from arborlm.runtime.scheduler.policy import WaitingQueue
-from arborlm.runtime.scheduler.results import ResultProcessor
+from arborlm.runtime.scheduler.results import ResultProcessor, fail_request
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +100,18 @@ class Scheduler:
         return self.allocator.total_size
 
     def add_request(self, req: Req) -> None:
-        """Queue a validated request (see `arborlm.runtime.validation`)."""
-        self.results.attach(req)
-        self.grammars.submit(req)
+        """Queue a validated request (see `GenerateRequest.normalize`). Should its per-request
+        state fail to build (stop checker, grammar compile), it alone finishes with an abort:
+        400 for an invalid request, 500 otherwise."""
+        try:
+            self.results.attach(req)
+            self.grammars.submit(req)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            fail_request(req, "adding the request", e)
+            if isinstance(e, InvalidRequestError):
+                req.finished_reason = FinishReason.abort(str(e), 400)
+            self._finish(req)
+            return
         self.waiting.add(req)
 
     def abort(self, rid: str | None, abort_all: bool = False) -> None:
@@ -490,6 +510,7 @@ class Scheduler:
         running, waiting = self.num_requests()
         prompt = self.stats["prefill_tokens"] + self.stats["cached_tokens"]
         return {
+            "scheduler_pid": os.getpid(),
             "max_total_num_tokens": self.max_total_tokens,
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,
