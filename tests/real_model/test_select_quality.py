@@ -2,10 +2,11 @@
 
 The questions were written for this test. Each runs as a plain "Question: ...\nAnswer:" prompt
 followed by a `select` over three answers, scored by SGLang's default rule (highest mean token
-logprob). (Asked as a chat turn, this 135M model picks worse: transformers gets 16 of 24 with
-"The answer is" opening the reply, and 6 of 24 with the options listed in the question.) The reference is transformers on the same
-GGUF in float32, scoring the same prompt text by the same rule: ArborLM (in the default dtype)
-must get at least as many right as it, less one, and must agree with it on most questions.
+logprob). (Asked as a chat turn, this 135M model picks worse: transformers gets 16 of 24 with "The
+answer is" opening the reply, and 6 of 24 with the options listed in the question.) The reference
+is transformers on the same GGUF in float32, scoring the same prompt text by the same rule: ArborLM
+(in the default dtype) must get at least as many right as it, less one, and must agree with it on
+most questions.
 """
 
 from __future__ import annotations
