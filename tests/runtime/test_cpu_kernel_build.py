@@ -111,3 +111,17 @@ def test_build_killed_midway_does_not_block_the_next(tmp_path):
     assert "died there midway" in second.stderr
     assert not (directory / "lock").exists()
     assert list(directory.glob("*.so"))
+
+
+def test_the_build_names_its_own_copy_of_the_sources():
+    """Regression: the build's commands named the sources where this checkout keeps them, so a
+    second checkout of the same sources (same cache entry, other paths) made ninja rebuild the
+    cached kernels, and the two took turns rebuilding them (minutes each on a busy machine)."""
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("the kernels do not build on this machine")
+    directory = cpu_kernels.build_dir()
+    commands = (directory / "build.ninja").read_text()
+    assert str(directory / "src" / "panel_gemm.cpp") in commands
+    assert str(cpu_kernels.CSRC) not in commands
+    for source in cpu_kernels.CSRC.glob("*.[ch]*"):
+        assert (directory / "src" / source.name).read_bytes() == source.read_bytes()

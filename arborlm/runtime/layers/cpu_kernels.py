@@ -177,14 +177,30 @@ def _load_extension() -> None:
             logger.warning("removing %s: a build of ArborLM's CPU kernels died there midway "
                            "(torch's lock file is left); building afresh", directory)
             shutil.rmtree(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        sources = _copy_sources(directory)
         start = time.monotonic()
         logger.info("loading ArborLM's CPU kernels from %s (compiled on first use, ~20 s; "
                     "cached)", directory)
-        load(EXTENSION_NAME, [str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+        load(EXTENSION_NAME, [str(s) for s in sources], extra_cflags=["-O3", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
              build_directory=str(directory))
         logger.info("ArborLM's CPU kernels loaded in %.1f s", time.monotonic() - start)
+
+
+def _copy_sources(directory: Path) -> list[Path]:
+    """The sources as built: copied into `directory/src` once (the directory is named by their
+    hash, so the copy never goes stale). Built from there, the build's commands name the same
+    paths whichever checkout or install loads them, so ninja never rebuilds a cached build
+    because another checkout of the same sources asked for it."""
+    src = directory / "src"
+    if not src.is_dir():
+        staging = directory / "src.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for f in CSRC.glob("*.[ch]*"):
+            shutil.copy2(f, staging / f.name)
+        staging.rename(src)
+    return [src / s.name for s in SOURCES]
 
 
 def _build() -> bool:
