@@ -44,5 +44,11 @@ def main(argv: list[str] | None = None) -> sgl.ProgramState:
         return state
 
 
+# What this printed on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, bfloat16 on
+# an AVX512-BF16 CPU), in-process:
+# generated: {"name": "Ada Lovelace", "age": 37, "city": "London"}
+# parsed: {'name': 'Ada Lovelace', 'age': 37, 'city': 'London'}
+
+
 if __name__ == "__main__":
     main()

@@ -33,5 +33,17 @@ def main(argv: list[str] | None = None) -> sgl.ProgramState:
         return state
 
 
+# What this printed on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, bfloat16 on
+# an AVX512-BF16 CPU), in-process:
+#    system: 'You are a helpful assistant.'
+#      user: 'What is the capital of the United States?'
+# assistant: 'The capital of the United States is New York City.'
+#      user: 'List two local attractions.'
+# assistant: 'Two local attractions in New York City are the Statue of Liberty and the Empire
+#             State Building.'
+# meta of answer_1: {..., 'finish_reason': {'type': 'stop', 'matched': 2}, 'prompt_tokens': 29,
+#                    'completion_tokens': 12, ...}
+
+
 if __name__ == "__main__":
     main()

@@ -57,5 +57,16 @@ def main(argv: list[str] | None = None) -> sgl.ProgramState:
         return state
 
 
+# What this printed on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, bfloat16 on
+# an AVX512-BF16 CPU), in-process:
+# Thought:
+# Action: finish
+# Action Input: 12 + 30 = 32
+#
+# calculator check: (12 + 30) * 3 = 126
+# answer: 12 + 30 = 32
+# (a 135M model skips the calculator and answers wrongly; the loop, the tool and `select` run.)
+
+
 if __name__ == "__main__":
     main()

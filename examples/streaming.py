@@ -38,5 +38,15 @@ def main(argv: list[str] | None = None) -> list[str]:
         return pieces
 
 
+# What this printed on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, bfloat16 on
+# an AVX512-BF16 CPU), in-process:
+# The lighthouses of the 19th century were a beacon of hope and resilience in the face of
+# unimaginable challenges. One day, a group of brave
+# [32 pieces]
+# <|im_start|>system ... <|im_start|>assistant
+# Alex grew up surrounded by robots, constantly surrounded by them. He used to work at
+# RoboticsCorp, where he helped in construction by helping out with robotic task<|im_end|>
+
+
 if __name__ == "__main__":
     main()

@@ -20,9 +20,9 @@ def tree_of_thought(s, question):
         s += "Let me consider a few plans.\n"
         plans = s.fork(NUM_PLANS)
         for i, plan in enumerate(plans):
-            plan += f"Plan {i + 1}:" + sgl.gen("plan", max_tokens=12, stop="\n") + "\n"
+            plan += f"Plan {i + 1}: Practice" + sgl.gen("plan", max_tokens=16, stop="\n") + "\n"
             steps = plan.fork(NUM_STEPS)
-            steps += lambda j: f"Step {j + 1}:" + sgl.gen("step", max_tokens=12, stop="\n")
+            steps += lambda j: f"Step {j + 1}: I will" + sgl.gen("step", max_tokens=16, stop="\n")
             steps.join()
         plans.join()
         for i, plan in enumerate(s["plan"]):
@@ -41,6 +41,17 @@ def main(argv: list[str] | None = None) -> sgl.ProgramState:
                 print(f"    step {j + 1}: {step!r}")
         print("best plan:", state["best"].strip())
         return state
+
+
+# What this printed on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, bfloat16 on
+# an AVX512-BF16 CPU), in-process:
+# plan 1: ' regularly.'
+#     step 1: ' provide you with a code and you can take a few minutes to practice.'
+#     step 2: ' help you practice in a way that works for you, so you can make the'
+# plan 2: ' regularly.'
+#     step 1: ' practice daily.'
+#     step 2: ' provide you with a test.'
+# best plan: 1
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def test_json_extraction(example, tiny_path, engine_backend):
 def test_multiple_choice(example, tiny_path):
     states = example("multiple_choice").main(["--model-path", str(tiny_path)])
     assert len(states) == 3
-    assert all(s["letter"] in (" A", " B", " C") for s in states)
+    assert [s["answer"] in [" " + o for o in q["options"]]
+            for s, q in zip(states, example("multiple_choice").QUESTIONS)] == [True] * 3
 
 
 def test_tree_of_thought(example, tiny_path):
