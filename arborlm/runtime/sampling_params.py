@@ -1,6 +1,6 @@
 """`SamplingParams`: what the user asked for, validated.
 
-Field names and defaults follow the native API (`shared/docs/API.md`). Validation happens once,
+Field names and defaults follow the native API (`docs/api.md`). Validation happens once,
 here, at the edge; the scheduler and sampler trust these values. This module does not know about
 tokens beyond ids: stop strings are checked by the detokenizing side.
 """

@@ -1,4 +1,4 @@
-"""The native API (SGLang's, field for field; see API.md): `/generate` and the control routes.
+"""The native API (SGLang's, field for field; see docs/api.md): `/generate` and the control routes.
 
 `/generate` answers one object for one prompt and a list for a batch or `n > 1`; with `stream`
 it sends SSE events whose `text` / `output_ids` are cumulative, each with `index` when there

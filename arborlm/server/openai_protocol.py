@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI-compatible requests (`/v1/completions`, `/v1/chat/completions`).
 
-Field names, defaults and bounds follow OpenAI's API; ArborLM's extensions (API.md: `top_k`,
+Field names, defaults and bounds follow OpenAI's API; ArborLM's extensions (docs/api.md: `top_k`,
 `min_p`, `regex`, `rid`, ...) sit beside them and arrive from the `openai` client as
 `extra_body`. `base_sampling()` maps a request onto the engine's native sampling parameters;
 the engine checks the remaining value ranges. Fields OpenAI defines but ArborLM ignores
@@ -49,7 +49,7 @@ class _SamplingFields(_Model):
     store: Bool | None = None
     metadata: dict[Str, Str] | None = None
     service_tier: Str | None = None
-    # ArborLM / SGLang extensions (API.md).
+    # ArborLM / SGLang extensions (docs/api.md).
     top_k: Int | None = None
     min_p: Float | None = None
     min_tokens: Int | None = Field(default=None, ge=0)

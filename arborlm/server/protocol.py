@@ -1,4 +1,4 @@
-"""Pydantic models of the native API's requests (SGLang's field names, see API.md).
+"""Pydantic models of the native API's requests (SGLang's field names, see docs/api.md).
 
 These models check types and shapes at the edge, and that every string is valid Unicode (`Str`,
 `JsonObject`); value ranges, finiteness and sizes that the engine also needs (sampling ranges,

@@ -21,7 +21,7 @@ from tests.constrained.conftest import EOS, VOCAB
 from tests.constrained.driver import closing_bias, generate
 
 BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench-dev.jsonl"
-SAMPLE = {"xgrammar": 40, "outlines": 12}  # outlines compiles are far slower (DESIGN.md §5)
+SAMPLE = {"xgrammar": 40, "outlines": 12}  # outlines compiles are far slower
 TIMEOUT_S = {"xgrammar": 10.0, "outlines": 3.0}
 
 

@@ -1,4 +1,4 @@
-"""Sampling semantics of API.md, checked against transformers logits where a reference exists."""
+"""Sampling semantics of docs/api.md, checked against transformers logits where it has them."""
 
 from __future__ import annotations
 

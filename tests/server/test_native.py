@@ -1,4 +1,4 @@
-"""The native API against a real server: every route, API.md's response shapes, streaming,
+"""The native API against a real server: every route, docs/api.md's response shapes, streaming,
 logprobs, `n`, the SGLang frontend's `select` sequence, aborts, and clients that disconnect."""
 
 from __future__ import annotations

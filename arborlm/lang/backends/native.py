@@ -1,4 +1,4 @@
-"""`NativeBackend`: the DSL's primitives over the native generate API (API.md).
+"""`NativeBackend`: the DSL's primitives over the native generate API (docs/api.md).
 
 Shared by `RuntimeEndpoint` (the payloads go over HTTP) and `EngineBackend` (straight to an
 in-process `Engine`); a subclass supplies only `request`, `request_stream` and `tokenize`.

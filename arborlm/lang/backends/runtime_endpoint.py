@@ -1,6 +1,6 @@
 """`RuntimeEndpoint`: programs run against an ArborLM server over HTTP (the native API).
 
-Speaks the routes of API.md — `POST /generate` (streaming as server-sent events),
+Speaks the routes of docs/api.md — `POST /generate` (streaming as server-sent events),
 `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache`, `POST /tokenize` — so it
 also drives any server with SGLang's native API. Requests go through one `requests.Session`
 per thread (programs and branches call from their own worker threads), with an optional

@@ -1,4 +1,4 @@
-"""The attention-backend interface (DESIGN.md §4).
+"""The attention-backend interface.
 
 A backend is created once per model runner. Before each forward step the runner calls
 `init_forward_metadata(batch)`; each attention layer then calls `forward(q, k, v, layer, batch)`,
