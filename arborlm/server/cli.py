@@ -131,7 +131,8 @@ def _serve(client: Any, server_args: ServerArgs, engine_args: Any,
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, log_config=None,
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
-        timeout_graceful_shutdown=server_args.drain_timeout, lifespan="on")
+        timeout_graceful_shutdown=server_args.drain_timeout,
+        timeout_keep_alive=server_args.timeout_keep_alive, lifespan="on")
     server = ArborServer(config, ready_note=f"model {client.config.model.path}, "
                                             f"engine {server_args.engine_mode}",
                          stop_when=engine_failed)

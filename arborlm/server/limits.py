@@ -27,6 +27,10 @@ MAX_QUEUED_REQUESTS = 1024
 RETRY_AFTER_S = 1
 # Seconds SIGTERM waits for in-flight requests before the server exits anyway.
 DRAIN_TIMEOUT_S = 30.0
+# Seconds an idle keep-alive connection stays open: longer than clients keep idle connections
+# pooled (httpx and the openai client 5 s, aiohttp 15 s). At uvicorn's default (5 s) a client
+# could send a request on a connection the server was just closing, and get nothing back.
+KEEP_ALIVE_S = 75
 # Seconds /health_generate waits for its one-token generation.
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # OpenAI's own bound on `top_logprobs` (chat) and `logprobs` (completions).
@@ -35,10 +39,10 @@ MAX_OPENAI_TOP_LOGPROBS = 20
 MAX_DETOKENIZE_TOKENS = 1_000_000
 
 __all__ = [
-    "DRAIN_TIMEOUT_S", "HEALTH_GENERATE_TIMEOUT_S", "MAX_BATCH", "MAX_DETOKENIZE_TOKENS",
-    "MAX_DISCARD_BYTES", "MAX_N", "MAX_OPENAI_TOP_LOGPROBS", "MAX_QUEUED_REQUESTS",
-    "MAX_REQUEST_BYTES", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "RETRY_AFTER_S",
-    "AdmissionGate", "Overloaded", "check_max_new_tokens",
+    "DRAIN_TIMEOUT_S", "HEALTH_GENERATE_TIMEOUT_S", "KEEP_ALIVE_S", "MAX_BATCH",
+    "MAX_DETOKENIZE_TOKENS", "MAX_DISCARD_BYTES", "MAX_N", "MAX_OPENAI_TOP_LOGPROBS",
+    "MAX_QUEUED_REQUESTS", "MAX_REQUEST_BYTES", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS",
+    "RETRY_AFTER_S", "AdmissionGate", "Overloaded", "check_max_new_tokens",
 ]
 
 

@@ -10,7 +10,12 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from arborlm.server.limits import DRAIN_TIMEOUT_S, MAX_QUEUED_REQUESTS, MAX_REQUEST_BYTES
+from arborlm.server.limits import (
+    DRAIN_TIMEOUT_S,
+    KEEP_ALIVE_S,
+    MAX_QUEUED_REQUESTS,
+    MAX_REQUEST_BYTES,
+)
 
 ENGINE_MODES = ("multiprocess", "inprocess")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -52,6 +57,10 @@ class ServerArgs:
     drain_timeout: float = _doc(
         "Seconds SIGTERM waits for in-flight requests to finish before exiting.",
         default=DRAIN_TIMEOUT_S)
+    timeout_keep_alive: int = _doc(
+        "Seconds an idle keep-alive connection stays open; keep it above the clients' pool "
+        "expiry (httpx and openai: 5 s, aiohttp: 15 s), or a request sent on a connection the "
+        "server is closing gets no answer.", default=KEEP_ALIVE_S)
     engine_restart_attempts: int = _doc(
         "When the scheduler or detokenizer process dies (multiprocess mode), fail the requests "
         "in flight, answer 503 \"engine restarting\" with Retry-After, and start both again: "
