@@ -168,3 +168,23 @@ def test_split_files_are_refused(tmp_path):
     marked = write_gguf(hf_dir, tmp_path / "marked.gguf", metadata={"split.count": 2})
     with pytest.raises(ModelLoadError, match="split GGUF"):
         ModelConfig.from_path(marked)
+
+
+def test_tokenizer_path_overrides_the_files_own_tokenizer(tmp_path):
+    """`--tokenizer-path` with a GGUF model: the engine tokenizes with that Hugging Face
+    tokenizer (here the one the file was written from, so the outputs must not change)."""
+    import arborlm
+
+    hf_dir = _tiny("llama")
+    path = write_gguf(hf_dir, tmp_path / "llama.gguf")
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    outputs = []
+    for tokenizer_path in (None, str(hf_dir)):
+        engine = arborlm.Engine(str(path), dtype="float32", tokenizer_path=tokenizer_path)
+        try:
+            assert engine.config.tokenizer_path == (tokenizer_path or str(path))
+            assert (engine.tokenizer.name_or_path == str(hf_dir)) == (tokenizer_path is not None)
+            outputs.append([o["output_ids"] for o in engine.generate(PROMPTS, params)])
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1]
