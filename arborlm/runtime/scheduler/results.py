@@ -140,11 +140,12 @@ class ResultProcessor:
                 continue  # its grammar mask failed (`GrammarManager.apply_mask`)
             if req.first_token_time is None:
                 req.first_token_time = now
-            accepted = False
-            with per_request(req, "grammar"):
-                accepted = req.grammar is None or grammar.accept(req, tok)
-            if not accepted or req.finished:
-                continue  # bans left nothing the grammar allows; `accept` finished the request
+            if req.grammar is not None:
+                accepted = False
+                with per_request(req, "grammar"):
+                    accepted = grammar.accept(req, tok)
+                if not accepted or req.finished:
+                    continue  # bans left nothing the grammar allows, or the grammar failed
             req.output_ids.append(tok)
             if req.return_logprob:
                 with per_request(req, "output logprobs"):
