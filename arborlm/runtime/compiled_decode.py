@@ -186,6 +186,9 @@ class FusedDecodeStep:
         self.cos, self.sin = model.model.rotary.cos, model.model.rotary.sin
         self.eps = model.model.norm.eps
         self.shape = (spec.scaling, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        # Deterministic inference has no cascade: a request's attention reads its own keys in
+        # one pass, whoever shares them.
+        self.cascade = not runner.deterministic
 
     @classmethod
     def of(cls, runner: ModelRunner) -> FusedDecodeStep | None:
@@ -223,7 +226,7 @@ class FusedDecodeStep:
         cached prefix included: cascade attention reads each group's prefix once)."""
         batch.attn_metadata = compiled_decode_metadata(batch)
         batch.logits_indices = None
-        return self(batch, cascade_inputs(batch))
+        return self(batch, cascade_inputs(batch) if self.cascade else None)
 
     def run_ahead(self, batch: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:
         """Greedy tokens `[S, B]` of S = len(slots) decode steps run as one C++ call
@@ -234,7 +237,7 @@ class FusedDecodeStep:
         batch.attn_metadata = compiled_decode_metadata(batch, ahead)
         batch.logits_indices = None
         meta: CompiledDecodeMeta = batch.attn_metadata
-        cascade = cascade_inputs(batch, ahead)
+        cascade = cascade_inputs(batch, ahead) if self.cascade else None
         own, lens, prefix_slots, prefix_lens, groups = \
             cascade if cascade is not None else (meta.slots, meta.seq_lens, None, None, None)
         scale, heads, kv_heads, head_dim = self.shape

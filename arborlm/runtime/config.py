@@ -93,6 +93,13 @@ class EngineArgs:
         "(no scheduling between them; tokens then stream in groups, and a request arriving "
         "meanwhile waits for the group). Default: as many as fit in ~50 ms of decoding, up to "
         "8, while no request waits; 1 turns it off.", default=None)
+    enable_deterministic_inference: bool | None = _doc(
+        "Batch-invariant computation: a request's logits depend only on its own tokens, never on "
+        "what runs beside it, chunk boundaries, the page size or prefix-cache hits (one kernel "
+        "per op for every batch size; no cascade attention). Default: on where ArborLM's CPU "
+        "kernels run (x86 AVX-512, and AVX512-BF16 for bfloat16), off elsewhere; "
+        "--no-enable-deterministic-inference turns it off. See docs/determinism.md.",
+        default=None)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
     grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
                                 "xgrammar or outlines (a request may pick its own).",
@@ -148,7 +155,31 @@ class EngineArgs:
             raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
                                       "chunked_prefill_size")
         return EngineConfig(args=self, model=model, attention_backend=backend,
-                            tokenizer_path=self.tokenizer_path or model_path)
+                            tokenizer_path=self.tokenizer_path or model_path,
+                            deterministic=self._deterministic(model, backend))
+
+    def _deterministic(self, model: ModelConfig, backend: str) -> bool:
+        """Whether deterministic inference is wanted: `enable_deterministic_inference`, its
+        default decided here. Asked for where it cannot hold, it is an error naming why."""
+        from arborlm.runtime.layers import cpu_kernels
+
+        wanted = self.enable_deterministic_inference
+        if wanted is False:
+            return False
+        reasons = []
+        if self.device != "cpu":
+            reasons.append(f"it runs on CPU only (device {self.device})")
+        elif not cpu_kernels.cpu_supports(model.dtype):
+            reasons.append(f"this CPU lacks the instructions of ArborLM's {model.dtype} kernels "
+                           f"(AVX-512, and AVX512-BF16 for bfloat16)")
+        if backend != "torch_native":
+            reasons.append(f"it needs the torch_native attention backend, not {backend}")
+        if self.enable_torch_compile:
+            reasons.append("enable_torch_compile sums in the compiler's own orders")
+        if reasons and wanted:
+            raise InvalidRequestError("enable_deterministic_inference cannot hold: "
+                                      + "; ".join(reasons), "enable_deterministic_inference")
+        return not reasons
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -184,6 +215,7 @@ class EngineConfig:
     model: ModelConfig
     attention_backend: str
     tokenizer_path: str
+    deterministic: bool = False  # enable_deterministic_inference, resolved (see `EngineArgs`)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 It sizes the KV pool (from `max_total_tokens`, or a fraction of free memory), loads the weights,
 and turns a `ForwardBatch` into float32 logits for the rows the scheduler asked for; decode
 steps replay captured CUDA graphs where `cuda_graph_runner` can, and on CPU run compiled
-(`compiled_decode`) with `enable_torch_compile`. It does not decide what runs:
+(`compiled_decode`) with `enable_torch_compile`. With deterministic inference every linear runs
+on the panel kernel and attention on one kernel for extend and decode (see
+`docs/determinism.md`). It does not decide what runs:
 that is the scheduler's job.
 """
 
@@ -15,7 +17,7 @@ import logging
 import psutil
 import torch
 
-from arborlm.errors import InvalidRequestError
+from arborlm.errors import InvalidRequestError, ModelLoadError
 from arborlm.runtime import startup
 from arborlm.runtime.attention.base import create_attention_backend
 from arborlm.runtime.compiled_decode import (
@@ -28,6 +30,7 @@ from arborlm.runtime.compiled_decode import (
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.cuda_graph_runner import CudaGraphRunner, create_cuda_graph_runner
 from arborlm.runtime.forward_batch import ForwardBatch
+from arborlm.runtime.layers import cpu_kernels
 from arborlm.runtime.layers.cpu_linear import pack_linears
 from arborlm.runtime.layers.huge_pages import HugePageArena, move_decode_weights
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
@@ -66,10 +69,13 @@ class ModelRunner:
             keep_cpu_allocations()
         torch.manual_seed(args.random_seed)
         self.model = load_model(mc, device=self.device)
+        self.deterministic = self._deterministic_holds()
         self.weight_arena: HugePageArena | None = None  # keeps the weights' mapping alive
         if self.device == "cpu":
-            packed = pack_linears(self.model, transpose_fp32=not args.enable_torch_compile)
-            logger.info("%d linear weights prepacked for oneDNN", packed)
+            packed = pack_linears(self.model, transpose_fp32=not args.enable_torch_compile,
+                                  panels_only=self.deterministic)
+            logger.info("%d linear weights prepacked (%s)", packed,
+                        "panels, every batch size" if self.deterministic else "oneDNN")
             self.weight_arena = move_decode_weights(self.model)
         self.vocab_size = mc.vocab_size
         self.page_size = args.page_size
@@ -81,7 +87,8 @@ class ModelRunner:
         self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype,
                               device=self.device)
         self.allocator = PagedAllocator(num_slots, self.page_size)
-        self.attn_backend = create_attention_backend(config.attention_backend, self.device)
+        self.attn_backend = create_attention_backend(config.attention_backend, self.device,
+                                                     deterministic=self.deterministic)
         logger.info("KV pool: %d tokens (%d pages of %d), %s, backend %s",
                     self.allocator.total_size, self.allocator.num_pages - 1, self.page_size,
                     mc.dtype, config.attention_backend)
@@ -89,6 +96,29 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = create_cuda_graph_runner(self)
         self.compiled: CompiledDecodeRunner | None = create_compiled_decode_runner(self)
         self.fused: FusedDecodeStep | None = create_fused_decode_step(self)
+
+    def _deterministic_holds(self) -> bool:
+        """Whether this engine runs deterministic inference: wanted (`EngineConfig`), and the
+        kernels it needs built and fitting the model's attention heads. Asked for explicitly
+        where they are not, it is an error; by default it is then off, and logged."""
+        if not self.config.deterministic:
+            logger.info("deterministic inference: off")
+            return False
+        mc = self.config.model
+        missing = None
+        if not (cpu_kernels.available(mc.dtype) and cpu_kernels.elementwise_available(mc.dtype)):
+            missing = f"ArborLM's CPU kernels for {mc.dtype} are not available here"
+        elif not cpu_kernels.attention_fits(mc.dtype, mc.num_heads // mc.num_kv_heads,
+                                            mc.head_dim):
+            missing = (f"its attention kernel does not take {mc.num_heads // mc.num_kv_heads} "
+                       f"query heads per KV head of dimension {mc.head_dim}")
+        if missing is None:
+            logger.info("deterministic inference: on (batch-invariant kernels)")
+            return True
+        if self.config.args.enable_deterministic_inference:
+            raise ModelLoadError(f"enable_deterministic_inference cannot hold: {missing}")
+        logger.warning("deterministic inference: off, as %s", missing)
+        return False
 
     def _pool_slots(self) -> int:
         args, mc = self.config.args, self.config.model

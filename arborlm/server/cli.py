@@ -42,6 +42,10 @@ def _add_fields(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
         flag = SGLANG_FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
         kind = str(f.type).split("|")[0].strip()
         help_text = f.metadata.get("help", "")
+        if kind == "bool" and f.default is None:  # on, off, or decided by the engine
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+            continue
         if kind == "bool":
             group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
             continue
@@ -73,9 +77,11 @@ def parse_args(argv: list[str]) -> tuple[ServerArgs, Any]:
 
     values = vars(build_parser().parse_args(argv))
 
-    def pick(cls: type) -> dict[str, Any]:
+    def pick(cls: type) -> dict[str, Any]:  # the flags given (store_true ones when set)
+        given = {f.name for f in dataclasses.fields(cls) if f.default is None}
         names = {f.name for f in dataclasses.fields(cls)}
-        return {k: v for k, v in values.items() if k in names and v is not None and v is not False}
+        return {k: v for k, v in values.items()
+                if k in names and v is not None and (v is not False or k in given)}
 
     engine = pick(EngineArgs)
     engine["model_path"] = values["model_path"]

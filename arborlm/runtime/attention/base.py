@@ -98,12 +98,16 @@ class AttentionBackend(abc.ABC):
         raise NotImplementedError(self.cuda_graph_unsupported_reason(batch.kv_pool.dtype))
 
 
-def create_attention_backend(name: str, model_runner_device: str) -> AttentionBackend:
-    """Registry: backends are imported lazily so `import arborlm` never pulls Triton/FlashInfer."""
+def create_attention_backend(name: str, model_runner_device: str,
+                             deterministic: bool = False) -> AttentionBackend:
+    """Registry: backends are imported lazily so `import arborlm` never pulls Triton/FlashInfer.
+    `deterministic` (torch_native only): batch-invariant attention."""
     if name == "torch_native":
         from arborlm.runtime.attention.torch_native import TorchNativeBackend
 
-        return TorchNativeBackend()
+        return TorchNativeBackend(deterministic=deterministic)
+    if deterministic:
+        raise ValueError(f"the {name} attention backend has no deterministic mode")
     if name == "triton":
         from arborlm.runtime.attention.triton_backend import TritonBackend
 

@@ -29,6 +29,12 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
   groups' prefixes run in the same few batched matmuls (padded to the longest prefix and the
   largest group), and the workspace keeps the prefixes too while the batch continues.
 
+With deterministic inference (the engine's default where the CPU kernels run) there is no
+cascade, and every token of an extend attends on its own through the decode kernel's arithmetic
+(`cpu_kernels.paged_attention_rows`, straight from the pool): a token's attention is then the
+same whether it was prefilled in one chunk or several, decoded, batched with other requests or
+found its prefix in the radix cache.
+
 Not here: sliding windows, custom masks, CUDA graphs (the gather is sized by host lengths).
 """
 
@@ -101,6 +107,10 @@ class _ExtendMeta:
     # are then attended by `attend_extend_group`, not one by one)
     kernel: bool = False  # a CPU pool the attention kernels take: requests attend one by one
     # with `cpu_kernels.causal_attention` (where the head shape fits too)
+    # Deterministic inference: each new token's req_to_token row and key count `[T]`; every
+    # token then attends on its own, as a decode step's query (`paged_attention_rows`).
+    token_rows: torch.Tensor | None = None
+    token_lens: torch.Tensor | None = None
 
 
 def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -117,7 +127,12 @@ def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 class TorchNativeBackend(AttentionBackend):
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        # Batch-invariant attention: every token of an extend attends as a decode step's query
+        # would (`cpu_kernels.paged_attention_rows`, the decode kernel's arithmetic), and no
+        # cascade: a token's result is then the same however its sequence was split into steps
+        # or batched. Needs the CPU kernels (the model runner checks).
+        self.deterministic = deterministic
         self.workspace = DecodeWorkspace()
         # (layout, its offsets, its cascade groups) of the last appending step; see
         # `_layout_tensors`.
@@ -167,6 +182,9 @@ class TorchNativeBackend(AttentionBackend):
         starts = [0]
         for ext in batch.extend_seq_lens_cpu:
             starts.append(starts[-1] + ext)
+        if self.deterministic:
+            return _ExtendMeta(slots=slots, masks=masks, starts=starts, kernel=kernel,
+                               **_token_keys(batch))
         groups = []
         if torch.device(batch.kv_pool.device).type == "cpu":  # the CPU flash kernel's lse
             groups = extend_groups(table, rows, slots, starts, batch.extend_prefix_lens_cpu,
@@ -189,6 +207,10 @@ class TorchNativeBackend(AttentionBackend):
         meta: _ExtendMeta = batch.attn_metadata
         k_buf = batch.kv_pool.k_buffer[layer.layer_id]
         v_buf = batch.kv_pool.v_buffer[layer.layer_id]
+        if meta.token_rows is not None:  # deterministic: each token as a decode query
+            return cpu_kernels.paged_attention_rows(
+                q, k_buf, v_buf, batch.req_to_token_pool.req_to_token, meta.token_rows,
+                meta.token_lens, layer.scaling)
         gqa = layer.num_heads != layer.num_kv_heads
         kernel = meta.kernel and k_buf.dtype == q.dtype and cpu_kernels.attention_fits(
             q.dtype, layer.num_heads // layer.num_kv_heads, layer.head_dim)
@@ -234,7 +256,7 @@ class TorchNativeBackend(AttentionBackend):
             return _DecodeMeta(index=None, mask=_padding_mask(own_lens, width), width=width,
                                cascade=cascade, workspace="append", append_index=index,
                                lens=own_lens, kernel=kernel)
-        meta, layout, own_lens = self._gather_metadata(batch)
+        meta, layout, own_lens = self._gather_metadata(batch, cascade=not self.deterministic)
         meta.lens, meta.kernel = own_lens, kernel
         if ws.prepare(batch, layout):
             meta.workspace = "fill"
@@ -274,9 +296,10 @@ class TorchNativeBackend(AttentionBackend):
         return self.workspace.capacity
 
     @staticmethod
-    def _gather_metadata(batch: ForwardBatch) -> tuple[_DecodeMeta, Layout, torch.Tensor]:
+    def _gather_metadata(batch: ForwardBatch,
+                         cascade: bool = True) -> tuple[_DecodeMeta, Layout, torch.Tensor]:
         """Metadata to gather every request's keys from the pool, with its `Layout` (cascade
-        groups found here) and each request's own key count `[B]`."""
+        groups found here, unless not `cascade`) and each request's own key count `[B]`."""
         hkv, bsz = batch.kv_pool.num_kv_heads, batch.batch_size
         width = max(batch.seq_lens_cpu)
         table = batch.req_to_token_pool.req_to_token
@@ -288,10 +311,11 @@ class TorchNativeBackend(AttentionBackend):
         slots = table[batch.req_pool_indices, :width]  # [B, L]
         pos = torch.arange(width, device=slots.device)
         slots = slots * (pos[None, :] < batch.seq_lens[:, None])  # padding -> slot 0
-        layout = find_groups(slots, batch.seq_lens_cpu)
-        cascade = _cascade_meta(slots, layout, hkv)
+        layout = find_groups(slots, batch.seq_lens_cpu) if cascade else \
+            Layout([0] * bsz, [-1] * bsz)
+        groups = _cascade_meta(slots, layout, hkv)
         own_slots, own_lens = slots, batch.seq_lens
-        if cascade is not None:  # each request's keys after its group's prefix
+        if groups is not None:  # each request's keys after its group's prefix
             offsets = torch.tensor(layout.offsets, device=slots.device)
             own_lens = batch.seq_lens - offsets  # [B]
             own_pos = offsets[:, None] + pos[None, :int(own_lens.max())]  # [B, W]
@@ -300,7 +324,7 @@ class TorchNativeBackend(AttentionBackend):
         own_width = own_slots.shape[1]
         mask = _padding_mask(own_lens, own_width)
         meta = _DecodeMeta(index=_head_rows(own_slots, hkv), mask=mask, width=own_width,
-                           cascade=cascade)
+                           cascade=groups)
         return meta, layout, own_lens
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec,
@@ -417,6 +441,18 @@ class TorchNativeBackend(AttentionBackend):
         joint = torch.logaddexp(own_lse, lse)
         own = own.float().mul_(own_lse.sub(joint).exp_())
         return own.add_(pref.mul_(lse.sub_(joint).exp_())).to(qh.dtype)
+
+
+def _token_keys(batch: ForwardBatch) -> dict[str, torch.Tensor]:
+    """Each new token's `req_to_token` row and key count (its position + 1), `[T]` each."""
+    ext = torch.tensor(batch.extend_seq_lens_cpu)
+    prefix = torch.tensor(batch.extend_prefix_lens_cpu)
+    rows = batch.req_pool_indices.cpu().repeat_interleave(ext)
+    starts = torch.cumsum(ext, 0) - ext  # each request's first token
+    lens = torch.arange(int(ext.sum())) - starts.repeat_interleave(ext) \
+        + prefix.repeat_interleave(ext) + 1
+    device = batch.req_pool_indices.device
+    return {"token_rows": rows.to(device), "token_lens": lens.to(device)}
 
 
 def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:

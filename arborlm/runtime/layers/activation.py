@@ -2,8 +2,9 @@
 
 The MLP's gate and up projections are one matmul whose output holds `[gate | up]`;
 `silu_and_mul` splits it and computes `silu(gate) * up`, the Llama-family SwiGLU. The split is a
-pair of views, so the only new tensors are the activation and the product; eager float32 rows on
-a CPU with AVX-512 go through ArborLM's one-pass kernel (`cpu_kernels.silu_and_mul`) instead.
+pair of views, so the only new tensors are the activation and the product; eager float32 and
+bfloat16 rows on a CPU with AVX-512 go through ArborLM's one-pass kernel
+(`cpu_kernels.silu_and_mul`, the fused decode step's arithmetic) instead.
 Nothing here owns parameters.
 """
 

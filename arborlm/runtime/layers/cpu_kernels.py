@@ -12,9 +12,9 @@ cached (the 32M benchmark model's shapes): float32 175-200 against 140-175 GFLOP
 360-390 against 240-350; one row streams the weight at 23-44 GB/s, as fast as or faster than
 the one-row kernel it replaced (MKL's GEMV: ~10 GB/s). `benchmarks/cpu_kernels.py` measures it.
 
-`add_rms_norm` and `silu_and_mul` (float32, eager forward): a residual add fused with RMSNorm,
-and SwiGLU, one pass over the activations each instead of ATen's six and three (see
-`csrc/elementwise.cpp`). `argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
+`add_rms_norm` and `silu_and_mul` (float32 and bfloat16, eager forward): a residual add fused
+with RMSNorm, and SwiGLU, one pass over the activations each instead of ATen's six and three,
+with the fused decode step's arithmetic (see `csrc/elementwise.cpp`, `csrc/row_ops.h`). `argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
 compares element by element: 32 rows of 8,192 logits ~115 us, here ~16 us).
 
 `causal_attention`: an extend's attention (a prompt's new tokens, on a cached prefix or not) as
@@ -112,8 +112,9 @@ def attention_available(dtype: torch.dtype) -> bool:
 
 
 def elementwise_available(dtype: torch.dtype) -> bool:
-    """Whether `add_rms_norm` and `silu_and_mul` run here for `dtype` (float32 on AVX-512)."""
-    return dtype == torch.float32 and available(torch.float32)
+    """Whether `add_rms_norm` and `silu_and_mul` run here for `dtype` (float32 or bfloat16 on
+    AVX-512: bfloat16 is widened, so it needs no BF16 instructions)."""
+    return dtype in (torch.float32, torch.bfloat16) and available(torch.float32)
 
 
 def packed_linear_available() -> bool:
@@ -217,6 +218,7 @@ def _build() -> bool:
             return False
         torch.library.register_fake("arborlm::decode_attention")(_decode_attention_shape)
         torch.library.register_fake("arborlm::decode_attention_paged")(_paged_shape)
+        torch.library.register_fake("arborlm::paged_attention_rows")(_paged_rows_shape)
         torch.library.register_fake("arborlm::add_rms_norm")(_norm_shape)
         torch.library.register_fake("arborlm::silu_and_mul")(_silu_shape)
         torch.library.register_fake("arborlm::argmax_rows")(_argmax_shape)
@@ -271,6 +273,24 @@ def decode_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return torch.ops.arborlm.decode_attention_paged(q, k_pool, v_pool, slots, lens, scale)
 
 
+def _paged_rows_shape(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                      slots: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         slots: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Every token attending as a decode step's query would: token t's query heads q
+    `[T, H, D]` attend to pool rows `slots[rows[t], :lens[t]]` of k/v_pool `[S, Hkv, D]`
+    (`slots` is the `req_to_token` table, int64). The result of each token is the one
+    `decode_attention_paged` gives for the same keys, however the tokens are batched:
+    deterministic inference's extend attention. Returns `[T, H, D]` in q's dtype;
+    `attention_available(q.dtype)` must hold."""
+    return torch.ops.arborlm.paged_attention_rows(q, k_pool, v_pool, slots, rows, lens, scale)
+
+
 def _causal_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
     return q.new_empty(q.shape)
@@ -316,13 +336,16 @@ def _silu_shape(gate_up: torch.Tensor) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """RMSNorm of x `[T, H]` float32 times weight `[H]`; with `residual` `[T, H]`, first adds
-    x into it in place and normalizes the sum. `elementwise_available(x.dtype)` must hold."""
+    """RMSNorm of x `[T, H]` (float32 or bfloat16, the weight's dtype) times weight `[H]`;
+    with `residual` `[T, H]`, first adds x into it in place and normalizes the sum. The
+    arithmetic is the fused decode step's (`csrc/row_ops.h`): in float32, rounded to the
+    dtype, times the weight, rounded. `elementwise_available(x.dtype)` must hold."""
     return torch.ops.arborlm.add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` `[T, I]` of gate_up `[T, 2I]` float32 (gate first), one pass;
+    """`silu(gate) * up` `[T, I]` of gate_up `[T, 2I]` float32 or bfloat16 (gate first), one
+    pass, each of the two results rounded to the dtype;
     `elementwise_available(gate_up.dtype)` must hold."""
     return torch.ops.arborlm.silu_and_mul(gate_up)
 

@@ -70,14 +70,21 @@ def packing_available() -> bool:
 class PackedLinear(nn.Module):
     """`nn.Linear` for CPU inference (fp32 / bf16): oneDNN-packed for decode-sized batches."""
 
-    def __init__(self, linear: nn.Linear, transpose_fp32: bool = True):
+    def __init__(self, linear: nn.Linear, transpose_fp32: bool = True,
+                 panels_only: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
+        # Deterministic inference: every batch size on the panels (their sums run in one order
+        # for any number of rows), and no oneDNN copy at all.
+        self.panels_only = panels_only
+        self.packed = None if panels_only else \
+            torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # opaque
         # Decode batches go to ArborLM's panel kernel where it runs, eager or traced.
         self.panels = cpu_kernels.pack_panels(weight) if cpu_kernels.available(weight.dtype) \
             else None
+        if panels_only and self.panels is None:
+            raise ValueError(f"no panel kernel for {weight.dtype} on this CPU")
         # Without it, float32 keeps W^T (row-major [in, out]) unless told otherwise: `x @ W^T`
         # is MKL's faster one-thread GEMV; bfloat16 keeps W itself.
         self.transposed = weight.dtype == torch.float32 and transpose_fp32 and self.panels is None
@@ -90,7 +97,7 @@ class PackedLinear(nn.Module):
         # A traced call reaches the packed weight through ArborLM's C++ operator, where it is
         # built, else through the same call written in Python (~15 us more per call).
         _PACKED[self.handle] = self
-        self.native = cpu_kernels.packed_linear_available()
+        self.native = not panels_only and cpu_kernels.packed_linear_available()
         if self.native:
             cpu_kernels.register_packed_linear(self.handle, self.packed, self.bias,
                                                self.out_features)
@@ -100,7 +107,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
         rows = x.shape[0]
-        if self.panels is not None and rows <= PANEL_MAX_ROWS:
+        if self.panels is not None and (rows <= PANEL_MAX_ROWS or self.panels_only):
             return cpu_kernels.panel_linear(x, self.panels, self.out_features, self.bias32)
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
             if rows == 1 and not self.transposed:  # no panels: a plain copy
@@ -172,27 +179,30 @@ class RowLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def _eligible(module: nn.Module) -> bool:
+def _eligible(module: nn.Module, any_size: bool = False) -> bool:
     if type(module) is not nn.Linear:
         return False
     w = module.weight
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-            and w.numel() >= MIN_PACKED_ELEMENTS)
+            and (any_size or w.numel() >= MIN_PACKED_ELEMENTS))
 
 
-def pack_linears(model: nn.Module, transpose_fp32: bool = True) -> int:
+def pack_linears(model: nn.Module, transpose_fp32: bool = True,
+                 panels_only: bool = False) -> int:
     """Replace every eligible `nn.Linear` of `model` by a `PackedLinear`; returns how many.
 
     The model must be loaded: the copies are taken now, and a replaced module's original
     weight is released unless something else (a tied embedding, a plain copy) holds it.
     `transpose_fp32=False` keeps float32 plain copies as `[out, in]` (see the module doc).
+    `panels_only` (deterministic inference) packs every CPU linear, however small, into panels
+    alone, which then serve every batch size; `cpu_kernels.available` must hold for its dtype.
     """
-    if not packing_available():
+    if not panels_only and not packing_available():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if _eligible(child)]
+               for name, child in parent.named_children() if _eligible(child, panels_only)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, transpose_fp32))
+        setattr(parent, name, PackedLinear(child, transpose_fp32, panels_only))
     return len(targets)
 
 

@@ -4,9 +4,10 @@ The normalisation runs in float32 and is cast back to the input dtype *before* t
 applied, exactly as `transformers` does, so bfloat16 outputs agree bit for bit with the reference
 (multiplying by the weight in float32 and rounding once would differ in the last bit).
 
-On a CPU with AVX-512, eager float32 rows go through ArborLM's fused kernel
-(`cpu_kernels.add_rms_norm`: the residual add and the norm in one pass); traced steps keep the
-ATen form, which Inductor fuses itself.
+On a CPU with AVX-512, eager float32 and bfloat16 rows go through ArborLM's fused kernel
+(`cpu_kernels.add_rms_norm`: the residual add and the norm in one pass, with the fused decode
+step's arithmetic, so that a token's norm is the same whichever path computes it); traced steps
+keep the ATen form, which Inductor fuses itself.
 
 This module holds no parameters other than the weight and does not know about tensor
 parallelism or quantisation.
@@ -35,8 +36,8 @@ class RMSNorm(nn.Module):
         self._kernel: bool | None = None  # the CPU kernel runs for this weight (decided once)
 
     def _fused(self, x: torch.Tensor) -> bool:
-        """Whether x `[T, size]` goes through `cpu_kernels.add_rms_norm`."""
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.dim() != 2 \
+        """Whether x `[..., size]` goes through `cpu_kernels.add_rms_norm`."""
+        if torch.compiler.is_compiling() or x.dtype != self.weight.dtype \
                 or x.stride(-1) != 1:
             return False
         if self._kernel is None:
@@ -47,7 +48,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[..., size]` -> `[..., size]` in x's dtype."""
         if self._fused(x):
-            return cpu_kernels.add_rms_norm(x, None, self.weight, self.eps)
+            if x.dim() == 2:
+                return cpu_kernels.add_rms_norm(x, None, self.weight, self.eps)
+            rows = x.reshape(-1, self._shape[0])  # per-head norms (q/k): [T * H, D]
+            return cpu_kernels.add_rms_norm(rows, None, self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self._shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self._shape, eps=self.eps).to(x.dtype)
@@ -60,7 +64,8 @@ class RMSNorm(nn.Module):
         Returns `(norm(x + residual), x + residual)`; the second is `residual` itself, updated.
         The addition happens in the activation dtype, as in the reference decoder layer.
         """
-        if self._fused(x) and residual.stride(-1) == 1 and residual.shape == x.shape:
+        if self._fused(x) and x.dim() == 2 and residual.stride(-1) == 1 \
+                and residual.shape == x.shape:
             return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual.add_(x)  # [T, size]
         return self.forward(residual), residual

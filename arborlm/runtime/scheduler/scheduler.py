@@ -517,6 +517,7 @@ class Scheduler:
             "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
             "available_kv_tokens": self.allocator.available_size(),
             "cached_kv_tokens": self.cache.total_size(),
+            "deterministic_inference": self.runner.deterministic,
             **self.stats,
             **self.grammars.info(),
             "time": time.time(),

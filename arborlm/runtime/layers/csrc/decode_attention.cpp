@@ -13,6 +13,9 @@
 //
 // `decode_attention_paged` reads the keys straight from the paged KV pool instead, through each
 // request's slot table (no gather, no workspace): the form a compiled decode step calls.
+// `paged_attention_rows` runs every token of an extend the same way, as if it were decoded:
+// deterministic inference's extend attention (a token's result never depends on where a chunk
+// or a cached prefix ended, or on what else was in the batch).
 //
 // The kernel also returns each query's log-sum-exp of its scaled scores, so that a caller can
 // merge this part with attention over other keys (a shared prefix read once for a group of
@@ -31,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -279,10 +283,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 }
 
 
+// Rows b of q attend to pool rows slots[row_of[b], :lens[b]] (row_of null: slots[b, ...]).
 template <typename T>
 void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                  const at::Tensor& slots, const std::vector<int64_t>& lens, double scale,
-                  at::Tensor& out, float* lse_out) {
+                  const at::Tensor& slots, const int64_t* row_of,
+                  const std::vector<int64_t>& lens, double scale, at::Tensor& out,
+                  float* lse_out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
   const int64_t width = slots.size(1);
@@ -301,15 +307,17 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
     std::vector<float> lse(static_cast<size_t>(group));
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / kv_heads, h = n % kv_heads;
-      NextRows next;  // head h's share of request b+1's keys (see `NextRows`)
-      if (b + 1 < batch) {
+      NextRows next;  // head h's share of request b+1's keys (see `NextRows`); queries of
+      // one sequence (row_of) share their keys, which are in cache already
+      if (b + 1 < batch && row_of == nullptr) {
         const int64_t share = (lens[b + 1] + kv_heads - 1) / kv_heads;
         const int64_t first = std::min(h * share, lens[b + 1]);
         next = {reinterpret_cast<const char*>(kp), reinterpret_cast<const char*>(vp),
                 sp + (b + 1) * width + first, std::min(share, lens[b + 1] - first),
                 static_cast<int64_t>(kv_heads * dim * sizeof(T))};
       }
-      row(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, sp + b * width,
+      const int64_t* own = sp + (row_of != nullptr ? row_of[b] : b) * width;
+      row(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, own,
           kv_heads * dim, lens[b], group, dim, static_cast<float>(scale), scores.data(),
           op + (b * heads + h * group) * dim, lse.data(), next);
       if (lse_out != nullptr) std::copy(lse.begin(), lse.end(), lse_out + b * heads + h * group);
@@ -319,6 +327,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
 
 std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& k_pool,
                                           const at::Tensor& v_pool, const at::Tensor& slots,
+                                          const std::optional<at::Tensor>& rows,
                                           const at::Tensor& lens, double scale, bool want_lse) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
               "decode_attention_paged: CPU tensors only");
@@ -341,7 +350,9 @@ std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& 
               k_pool.scalar_type(), ", ", v_pool.scalar_type());
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(),
               "decode_attention_paged: the pools must be contiguous");
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == batch && slots.scalar_type() == at::kLong,
+  const bool mapped = rows.has_value() && rows->defined();
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kLong &&
+                  (mapped || slots.size(0) == batch),
               "decode_attention_paged: slots must be int64 [B, W] with B = ", batch, ", got ",
               slots.scalar_type(), " ", slots.sizes());
   TORCH_CHECK(lens.dim() == 1 && lens.numel() == batch,
@@ -350,13 +361,29 @@ std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& 
   const at::Tensor sc = slots.contiguous();
   const at::Tensor lc = lens.to(at::kLong).contiguous();
   std::vector<int64_t> lv(lc.data_ptr<int64_t>(), lc.data_ptr<int64_t>() + lc.numel());
+  const int64_t table_rows = sc.size(0), width = sc.size(1);
+  at::Tensor rc;
+  if (mapped) {
+    TORCH_CHECK(rows->dim() == 1 && rows->numel() == batch,
+                "paged_attention_rows: rows must be [T] = [", batch, "], got ", rows->sizes());
+    rc = rows->to(at::kLong).contiguous();
+  }
+  const int64_t* row_of = mapped ? rc.data_ptr<int64_t>() : nullptr;
+  // Each slot row is checked once, up to the longest length read from it.
+  std::vector<int64_t> longest(static_cast<size_t>(table_rows), 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t r = mapped ? row_of[b] : b;
+    TORCH_CHECK(r >= 0 && r < table_rows, "paged_attention_rows: row ", r, " is outside the ",
+                table_rows, " slot rows");
+    TORCH_CHECK(lv[b] >= 0 && lv[b] <= width, "decode_attention_paged: a length of ", lv[b],
+                " is outside the ", width, " slots of a row");
+    longest[r] = std::max(longest[r], lv[b]);
+  }
   const int64_t* sp = sc.data_ptr<int64_t>();
   const int64_t num_slots = k_pool.size(0);
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lv[b] >= 0 && lv[b] <= sc.size(1), "decode_attention_paged: a length of ",
-                lv[b], " is outside the ", sc.size(1), " slots of a row");
-    for (int64_t j = 0; j < lv[b]; ++j) {
-      const int64_t s = sp[b * sc.size(1) + j];
+  for (int64_t r = 0; r < table_rows; ++r) {
+    for (int64_t j = 0; j < longest[r]; ++j) {
+      const int64_t s = sp[r * width + j];
       TORCH_CHECK(s >= 0 && s < num_slots, "decode_attention_paged: slot ", s,
                   " is outside the pool's ", num_slots);
     }
@@ -368,14 +395,23 @@ std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& 
   if (batch == 0) return {out, lse};
   float* lp = want_lse ? lse.data_ptr<float>() : nullptr;
   if (qc.scalar_type() == at::kFloat) {
-    attend_paged<float>(qc, k_pool, v_pool, sc, lv, scale, out, lp);
+    attend_paged<float>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);
   } else if (qc.scalar_type() == at::kBFloat16) {
-    attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, lv, scale, out, lp);
+    attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);
   } else {
     TORCH_CHECK(false, "decode_attention_paged: float32 or bfloat16 only, got ",
                 qc.scalar_type());
   }
   return {out, lse};
+}
+
+// Every query token of an extend (or any batch) attends on its own: token t's query heads
+// q [T, H, D] over pool rows slots[rows[t], :lens[t]], with the arithmetic of a decode step's
+// query, so that a token's attention does not depend on how its sequence was split into steps.
+at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_pool,
+                                const at::Tensor& v_pool, const at::Tensor& slots,
+                                const at::Tensor& rows, const at::Tensor& lens, double scale) {
+  return std::get<0>(paged(q, k_pool, v_pool, slots, rows, lens, scale, false));
 }
 
 }  // namespace
@@ -385,13 +421,13 @@ namespace arborlm_cpu {
 at::Tensor decode_attention_paged(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& v_pool, const at::Tensor& slots,
                                   const at::Tensor& lens, double scale) {
-  return std::get<0>(paged(q, k_pool, v_pool, slots, lens, scale, false));
+  return std::get<0>(paged(q, k_pool, v_pool, slots, std::nullopt, lens, scale, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention_paged_lse(
     const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
     const at::Tensor& slots, const at::Tensor& lens, double scale) {
-  return paged(q, k_pool, v_pool, slots, lens, scale, true);
+  return paged(q, k_pool, v_pool, slots, std::nullopt, lens, scale, true);
 }
 
 }  // namespace arborlm_cpu
@@ -401,9 +437,12 @@ TORCH_LIBRARY_FRAGMENT(arborlm, m) {
         "(Tensor, Tensor)");
   m.def("decode_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
         "Tensor lens, float scale) -> Tensor");
+  m.def("paged_attention_rows(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, "
+        "Tensor rows, Tensor lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_paged", &arborlm_cpu::decode_attention_paged);
+  m.impl("paged_attention_rows", &paged_attention_rows);
 }

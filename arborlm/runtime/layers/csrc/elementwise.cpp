@@ -1,13 +1,14 @@
-// Fused float32 elementwise kernels for the eager CPU forward: `arborlm::add_rms_norm` and
-// `arborlm::silu_and_mul`; and `arborlm::argmax_rows`, greedy sampling's row-wise argmax.
+// Fused elementwise kernels for the eager CPU forward (float32 and bfloat16):
+// `arborlm::add_rms_norm` and `arborlm::silu_and_mul`; and `arborlm::argmax_rows`, greedy
+// sampling's row-wise argmax.
 //
 // Through ATen, a residual add and RMSNorm are six passes over the activations (add, pow, mean,
 // add, rsqrt, two multiplies) and SwiGLU three (silu, its temporary, the multiply); at a 512-token
-// prefill each pass is a megabyte or more. Here each is one pass per row: the row is summed in
-// registers while it is added, then normalized while it is still in cache; silu and the product
-// are computed together. The arithmetic is ATen's (`x * rsqrt(mean(x^2) + eps) * w`;
-// `g / (1 + exp(-g)) * u`), with float32 sums in another order and a vectorized exp within a few
-// units in the last place of the library's.
+// prefill each pass is a megabyte or more. Here each row is added, summed and normalized while it
+// is in cache, and silu and the product are computed together. The arithmetic is the fused decode step's, row for row (`row_ops.h`), so
+// a token's values do not depend on which path computed them; against ATen's
+// (`x * rsqrt(mean(x^2) + eps) * w`; `g / (1 + exp(-g)) * u`) float32 sums run in another order
+// and the vectorized exp is within a few units in the last place of the library's.
 //
 // Compiled with per-function target attributes, so the file builds on any x86-64 compiler;
 // `cpu_kernels.py` only calls it on CPUs with AVX-512.
@@ -24,101 +25,99 @@
 #include <optional>
 
 #include "kernels.h"
+#include "row_ops.h"
 #include "vec_math.h"
 
 namespace {
 
-using arborlm_cpu::silu16;
 using arborlm_cpu::lane_mask;
 
 // Fewest elements a thread is given: below this a thread's start-up outweighs its share.
 constexpr int64_t kMinElementsPerThread = 16 * 1024;
 
-// One row: residual += x (when given), then out = r * rsqrt(mean(r^2) + eps) * w.
-__attribute__((target("avx512f"))) void norm_row(const float* x, float* residual,
-                                                 const float* w, float* out, int64_t n,
-                                                 float eps) {
-  const float* r = residual ? residual : x;
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    if (residual) {
-      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, residual + i));
-      _mm512_mask_storeu_ps(residual + i, m, v);
+// Rows t: residual[t] += x[t] (when given), then out[t] = RMSNorm(residual[t] or x[t]) times
+// the weight, with the fused decode step's arithmetic (`row_ops.h`).
+template <typename T>
+void norm_rows(const at::Tensor& x, T* rp, int64_t r_row, const at::Tensor& weight,
+               at::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1), x_row = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float fe = static_cast<float>(eps);
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* src = xp + t * x_row;
+      if (rp != nullptr) {
+        arborlm_cpu::add_into(src, rp + t * r_row, n);
+        src = rp + t * r_row;
+      }
+      arborlm_cpu::rms_norm(src, wp, op + t * n, n, fe);
     }
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  const float rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
-  const __m512 s = _mm512_set1_ps(rstd);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r + i), s);
-    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
-  }
+  });
 }
 
 at::Tensor add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                         const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "add_rms_norm: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "add_rms_norm: float32 only, got ", x.scalar_type(), " and ", weight.scalar_type());
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
+              "add_rms_norm: float32 or bfloat16 x and weight of one dtype, got ", dtype, " and ",
+              weight.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "add_rms_norm: x must be [T, H] with contiguous "
               "rows, got ", x.sizes(), " strides ", x.strides());
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "add_rms_norm: weight must be [", n,
               "], got ", weight.sizes());
-  float* rp = nullptr;
-  int64_t r_row = 0;
-  if (residual.has_value() && residual->defined()) {
-    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->sizes() == x.sizes() &&
+  const bool with_residual = residual.has_value() && residual->defined();
+  if (with_residual)
+    TORCH_CHECK(residual->scalar_type() == dtype && residual->sizes() == x.sizes() &&
                     residual->stride(1) == 1,
-                "add_rms_norm: residual must be float32 ", x.sizes(), " with contiguous rows");
-    rp = residual->data_ptr<float>();
-    r_row = residual->stride(0);
-  }
+                "add_rms_norm: residual must be ", dtype, " ", x.sizes(),
+                " with contiguous rows");
   TORCH_CHECK(__builtin_cpu_supports("avx512f"), "add_rms_norm: this CPU lacks AVX-512");
   const at::Tensor wc = weight.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t x_row = x.stride(0);
-  const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      norm_row(xp + t * x_row, rp ? rp + t * r_row : nullptr, wp, op + t * n, n,
-               static_cast<float>(eps));
-  });
+  if (rows == 0) return out;
+  const int64_t r_row = with_residual ? residual->stride(0) : 0;
+  if (dtype == at::kFloat) {
+    norm_rows<float>(x, with_residual ? residual->data_ptr<float>() : nullptr, r_row, wc, out,
+                     eps);
+  } else {
+    norm_rows<c10::BFloat16>(x, with_residual ? residual->data_ptr<c10::BFloat16>() : nullptr,
+                             r_row, wc, out, eps);
+  }
   return out;
 }
 
-__attribute__((target("avx512f"))) void silu_mul_row(const float* g, const float* u, float* out,
-                                                     int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lane_mask(n - i);
-    const __m512 silu = silu16(_mm512_maskz_loadu_ps(m, g + i));
-    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
-  }
+template <typename T>
+void silu_rows(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, g_row = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(inter, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      arborlm_cpu::silu_mul(gp + t * g_row, op + t * inter, inter);
+  });
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kFloat,
-              "silu_and_mul: float32 CPU tensors only, got ", gate_up.scalar_type());
+  const at::ScalarType dtype = gate_up.scalar_type();
+  TORCH_CHECK(gate_up.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "silu_and_mul: float32 or bfloat16 CPU tensors only, got ", dtype);
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
               "silu_and_mul: gate_up must be [T, 2I] with contiguous rows, got ",
               gate_up.sizes());
   TORCH_CHECK(__builtin_cpu_supports("avx512f"), "silu_and_mul: this CPU lacks AVX-512");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t g_row = gate_up.stride(0);
-  const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(inter, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      silu_mul_row(gp + t * g_row, gp + t * g_row + inter, op + t * inter, inter);
-  });
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (out.numel() == 0) return out;
+  if (dtype == at::kFloat) {
+    silu_rows<float>(gate_up, out);
+  } else {
+    silu_rows<c10::BFloat16>(gate_up, out);
+  }
   return out;
 }
 
