@@ -41,8 +41,9 @@ WORKLOADS = ("load", "decode-1", "conc-32", "prefill-512")
 class ArborEngine:
     """One ArborLM engine on the GGUF file in one dtype, timed calls."""
 
-    def __init__(self, path: Path, dtype: str):
+    def __init__(self, path: Path, dtype: str, options: dict | None = None):
         self.path, self.dtype = path, dtype
+        self.options = options or {}  # more engine options
         self.engine = None
 
     def load(self) -> float:
@@ -50,7 +51,8 @@ class ArborEngine:
 
         self.close()
         t = time.perf_counter()
-        self.engine = Engine(str(self.path), dtype=self.dtype, max_total_tokens=16384)
+        self.engine = Engine(str(self.path), dtype=self.dtype, max_total_tokens=16384,
+                             **self.options)
         return time.perf_counter() - t
 
     def generate(self, prompts: list[list[int]], new: int) -> float:

@@ -96,9 +96,10 @@ class EngineArgs:
     enable_deterministic_inference: bool | None = _doc(
         "Batch-invariant computation: a request's logits depend only on its own tokens, never on "
         "what runs beside it, chunk boundaries, the page size or prefix-cache hits (one kernel "
-        "per op for every batch size; no cascade attention). Default: on where ArborLM's CPU "
-        "kernels run (x86 AVX-512, and AVX512-BF16 for bfloat16), off elsewhere; "
-        "--no-enable-deterministic-inference turns it off. See docs/determinism.md.",
+        "per op for every batch size; no cascade attention). Default: on in bfloat16 where "
+        "ArborLM's CPU kernels run (x86 AVX-512 with AVX512-BF16), off in float32 (where it "
+        "costs more) and elsewhere; --no-enable-deterministic-inference turns it off. See "
+        "docs/determinism.md.",
         default=None)
     random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
     grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
@@ -179,6 +180,8 @@ class EngineArgs:
         if reasons and wanted:
             raise InvalidRequestError("enable_deterministic_inference cannot hold: "
                                       + "; ".join(reasons), "enable_deterministic_inference")
+        if wanted is None and model.dtype == torch.float32:
+            return False  # its measured cost in float32 is above 10% (docs/determinism.md)
         return not reasons
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -104,3 +105,68 @@ class DirectScheduler:
 
     def output_ids(self, rids: list[str]) -> list[list[int]]:
         return [self.builders[r].result()["output_ids"] for r in rids]
+
+
+# --- the exactness matrix (deterministic inference) ---------------------------------------------
+
+# Configurations a request's logits must not depend on under deterministic inference, each an
+# engine's options and how its prompts are sent: "alone" one request at a time, "batched" all at
+# once (requests of very different lengths), "warm" all at once a second time (every prompt's
+# prefix then comes from the radix cache).
+EXACTNESS_CONFIGS = {
+    "batched, radix cache off": ({"disable_radix_cache": True}, "batched"),
+    "batched, cache cold": ({}, "batched"),
+    "batched, cache warm": ({}, "warm"),
+    "chunked prefill 16, page size 16": ({"chunked_prefill_size": 16, "page_size": 16},
+                                         "batched"),
+    "chunked prefill 64, one decode step per call": (
+        {"chunked_prefill_size": 64, "num_continuous_decode_steps": 1}, "batched"),
+    "multi-process engine": ({"mode": "multiprocess"}, "batched"),
+}
+
+
+def _greedy_with_logprobs(engine, prompts: list[str], new_tokens: int) -> list[tuple]:
+    outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": new_tokens,
+                                     "ignore_eos": True},
+                           return_logprob=True, top_logprobs_num=5)
+    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"],
+             o["meta_info"]["output_top_logprobs"]) for o in outs]
+
+
+def first_difference(a: tuple, b: tuple) -> str | None:
+    """Where two (ids, logprobs, top logprobs) results first differ, or None if identical."""
+    for step, (x, y) in enumerate(zip(zip(*a), zip(*b))):
+        if x != y:
+            return f"output token {step}: {x} != {y}"
+    return None if a == b else "lengths differ"
+
+
+def exactness_matrix(path: str, prompts: list[str], new_tokens: int = 12,
+                     **options) -> dict[str, list[str]]:
+    """Each prompt alone (radix cache off, one request at a time) against every configuration
+    of `EXACTNESS_CONFIGS`: {configuration: ["prompt i: where it first differs", ...]}; empty
+    lists where every prompt's greedy tokens, their logprobs and the top-5 logprobs at every
+    step are bit-identical (logprobs are the logits less one log-sum-exp over all of them)."""
+    from arborlm import Engine
+
+    engine = Engine(path, disable_radix_cache=True, **options)
+    try:
+        alone = [_greedy_with_logprobs(engine, [p], new_tokens)[0] for p in prompts]
+    finally:
+        engine.shutdown()
+    report: dict[str, list[str]] = {}
+    engines: dict[str, Any] = {}
+    try:
+        for name, (extra, how) in EXACTNESS_CONFIGS.items():
+            key = repr(sorted(extra.items()))
+            if key not in engines:
+                for e in engines.values():
+                    e.shutdown()
+                engines = {key: Engine(path, **options, **extra)}
+            got = _greedy_with_logprobs(engines[key], prompts, new_tokens)
+            report[name] = [f"prompt {i}: {d}" for i, (a, b) in enumerate(zip(alone, got))
+                            if (d := first_difference(a, b)) is not None]
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    return report

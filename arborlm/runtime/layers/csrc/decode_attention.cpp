@@ -89,6 +89,60 @@ inline void prefetch_next(const NextRows& next, int64_t j) {
   }
 }
 
+// The scores of one query (its D / 16 chunks `qv`) against a block of 16 keys `kr` (a short
+// block repeats a key in its spare lanes): each key's 16-lane products summed by
+// `sum_lanes16`, times the scale. Blocks are aligned to the query's first key, so that a key's
+// score is computed the same way whichever call computes it.
+template <typename T>
+__attribute__((target("avx512f"))) inline __m512 score_block(const T* const* kr, const __m512* qv,
+                                                             int64_t chunks, __m512 scale) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512 qc = qv[c];
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(load16(kr[t] + c * 16), qc, acc[t]);
+  }
+  return _mm512_mul_ps(arborlm_cpu::sum_lanes16(acc), scale);
+}
+
+// One query's scores s[0, len) become its unnormalized softmax weights, in place; returns their
+// sum, and their maximum in `top`.
+__attribute__((target("avx512f"))) inline float softmax_weights(float* s, int64_t len,
+                                                                float* top) {
+  __m512 hi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) hi = _mm512_max_ps(hi, _mm512_loadu_ps(s + j));
+  float m = _mm512_reduce_max_ps(hi);
+  for (; j < len; ++j) m = std::max(m, s[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= len; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < len) {
+    const __mmask16 tail = __mmask16((1u << (len - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv));
+    _mm512_mask_storeu_ps(s + j, tail, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+  }
+  *top = m;
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Accumulated values o (D / 16 chunks) times 1 / total, rounded once into out [D].
+template <typename T>
+__attribute__((target("avx512f"))) inline void store_row(const __m512* o, int64_t chunks,
+                                                         float total, T* out) {
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  alignas(64) float row[16];
+  for (int64_t c = 0; c < chunks; ++c) {
+    _mm512_store_ps(row, _mm512_mul_ps(o[c], inv));
+    for (int i = 0; i < 16; ++i) store_one(out + c * 16 + i, row[i]);
+  }
+}
+
 // One row: q [G, D] against keys/values [len, D] -> out [G, D], lse [G]. Key j is at
 // `k + j * stride`, or with a slot table at `k + slots[j] * stride` (the paged pool).
 // `scores` holds G * len floats. GROUP and CHUNKS (D / 16) are compile-time constants for the
@@ -114,46 +168,32 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = load16(q + g * dim + c * 16);
 
-  // Scores: each key row read once for all G queries.
-  for (int64_t j = 0; j < len; ++j) {
-    const T* kr = k + (slots ? slots[j] : j) * stride;
-    if (j + kPrefetchAhead < len)
-      prefetch_row(k + (slots ? slots[j + kPrefetchAhead] : j + kPrefetchAhead) * stride, dim);
-    if (j < next.len) prefetch_next(next, j);
-    __m512 acc[GROUP ? GROUP : kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 kc = load16(kr + c * 16);
-      for (int64_t g = 0; g < group; ++g)
-        acc[g] = _mm512_fmadd_ps(kc, qv[g * chunks + c], acc[g]);
+  // Scores, 16 keys at a time in blocks aligned to the row's first key, each key's 16-lane
+  // products summed by `sum_lanes16`: a key's score is computed the same way whichever call
+  // computes it (a decode step, or an extend's token in `paged_attention_rows`).
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - j0);
+    const T* kr[16];
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t j = j0 + t;
+      kr[t] = k + (slots ? slots[j] : j) * stride;
+      if (j + kPrefetchAhead < len)
+        prefetch_row(k + (slots ? slots[j + kPrefetchAhead] : j + kPrefetchAhead) * stride, dim);
+      if (j < next.len) prefetch_next(next, j);
     }
-    for (int64_t g = 0; g < group; ++g) scores[g * len + j] = _mm512_reduce_add_ps(acc[g]) * scale;
+    for (int64_t t = n; t < 16; ++t) kr[t] = kr[0];  // a short block's spare lanes (unused)
+    for (int64_t g = 0; g < group; ++g)  // the block's keys stay in L1 for the next query
+      _mm512_mask_storeu_ps(scores + g * len + j0, arborlm_cpu::lane_mask(n),
+                            score_block(kr, qv + g * chunks, chunks, scale_v));
   }
   for (int64_t j = len; j < next.len; ++j) prefetch_next(next, j);  // the next one is longer
 
   // Softmax weights (unnormalized) and their sums.
   float total[GROUP ? GROUP : kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
-    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t j = 0;
-    for (; j + 16 <= len; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-    float m = _mm512_reduce_max_ps(top);
-    for (; j < len; ++j) m = std::max(m, s[j]);
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    for (j = 0; j + 16 <= len; j += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (j < len) {
-      const __mmask16 tail = __mmask16((1u << (len - j)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv));
-      _mm512_mask_storeu_ps(s + j, tail, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
-    }
-    total[g] = _mm512_reduce_add_ps(sum);
+    float m;
+    total[g] = softmax_weights(scores + g * len, len, &m);
     lse[g] = m + std::log(total[g]);
   }
 
@@ -174,13 +214,98 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
         o[g * chunks + c] = _mm512_fmadd_ps(w[g], vc, o[g * chunks + c]);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / total[g]);
-    alignas(64) float row[16];
-    for (int64_t c = 0; c < chunks; ++c) {
-      _mm512_store_ps(row, _mm512_mul_ps(o[g * chunks + c], inv));
-      for (int i = 0; i < 16; ++i) store_one(out + g * dim + c * 16 + i, row[i]);
+  for (int64_t g = 0; g < group; ++g) store_row(o + g * chunks, chunks, total[g], out + g * dim);
+}
+
+// Most tokens of one sequence `attend_tokens` takes at once, and most queries one pass of its
+// weighted-value loop holds in registers (times D / 16 accumulators each).
+constexpr int64_t kTokensPerCall = 8;
+constexpr int64_t kAccumulators = 24;
+
+// Tokens i < ntok of one sequence, each with its G query heads (token i's head g at
+// q + i * q_token + g * D), attend to the first lens[i] keys of one slot row (lens ascending):
+// each query computed exactly as `attend_row` computes a decode step's (the same score blocks,
+// softmax and value order), while a block of keys is read from memory once for every token and
+// a value row once for up to kAccumulators / CHUNKS queries. `scores` holds ntok * G *
+// lens[ntok - 1] floats.
+template <typename T, int CHUNKS>
+__attribute__((target("avx512f"))) void attend_tokens(const T* q, int64_t q_token, int64_t ntok,
+                                                     int64_t group, const int64_t* lens,
+                                                     const T* k, const T* v,
+                                                     const int64_t* slots, int64_t stride,
+                                                     float scale, float* scores, T* out,
+                                                     int64_t out_token) {
+  constexpr int64_t dim = CHUNKS * 16;
+  const int64_t most = lens[ntok - 1];
+  const int64_t nq = ntok * group;  // query n: token n / G, head n % G
+  auto query = [&](int64_t n) { return q + (n / group) * q_token + (n % group) * dim; };
+  auto len_of = [&](int64_t n) { return lens[n / group]; };
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < most; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, most - j0);
+    const T* kr[16];
+    for (int64_t t = 0; t < n; ++t) kr[t] = k + slots[j0 + t] * stride;
+    for (int64_t t = n; t < 16; ++t) kr[t] = kr[0];
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t len = len_of(i);
+      if (len <= j0) continue;
+      __m512 qv[CHUNKS];
+      for (int64_t c = 0; c < CHUNKS; ++c) qv[c] = load16(query(i) + c * 16);
+      _mm512_mask_storeu_ps(scores + i * most + j0, arborlm_cpu::lane_mask(len - j0),
+                            score_block(kr, qv, CHUNKS, scale_v));
     }
+  }
+  float total[kTokensPerCall * kMaxGroup];
+  for (int64_t i = 0; i < nq; ++i) {
+    float m;
+    total[i] = softmax_weights(scores + i * most, len_of(i), &m);
+  }
+  constexpr int64_t per_pass = std::max<int64_t>(1, kAccumulators / CHUNKS);
+  for (int64_t first = 0; first < nq; first += per_pass) {
+    const int64_t np = std::min(per_pass, nq - first);
+    __m512 o[per_pass * CHUNKS];
+    for (int64_t i = 0; i < np * CHUNKS; ++i) o[i] = _mm512_setzero_ps();
+    const int64_t last = len_of(first + np - 1);  // the pass's longest
+    for (int64_t j = 0; j < last; ++j) {
+      const T* vr = v + slots[j] * stride;
+      __m512 vc[CHUNKS];
+      for (int64_t c = 0; c < CHUNKS; ++c) vc[c] = load16(vr + c * 16);
+      for (int64_t p = 0; p < np; ++p) {
+        if (j >= len_of(first + p)) continue;
+        const __m512 w = _mm512_set1_ps(scores[(first + p) * most + j]);
+        for (int64_t c = 0; c < CHUNKS; ++c)
+          o[p * CHUNKS + c] = _mm512_fmadd_ps(w, vc[c], o[p * CHUNKS + c]);
+      }
+    }
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t n = first + p;
+      store_row(o + p * CHUNKS, CHUNKS, total[n], out + (n / group) * out_token + (n % group) * dim);
+    }
+  }
+}
+
+using TokensFn = void (*)(const void*, int64_t, int64_t, int64_t, const int64_t*, const void*,
+                          const void*, const int64_t*, int64_t, float, float*, void*, int64_t);
+
+template <typename T, int CHUNKS>
+void tokens_entry(const void* q, int64_t q_token, int64_t ntok, int64_t group,
+                  const int64_t* lens, const void* k, const void* v, const int64_t* slots,
+                  int64_t stride, float scale, float* scores, void* out, int64_t out_token) {
+  attend_tokens<T, CHUNKS>(static_cast<const T*>(q), q_token, ntok, group, lens,
+                           static_cast<const T*>(k), static_cast<const T*>(v), slots, stride,
+                           scale, scores, static_cast<T*>(out), out_token);
+}
+
+// `attend_tokens` for head dim D, or null where it has no specialization (attend_row serves).
+template <typename T>
+TokensFn pick_tokens(int64_t dim) {
+  switch (dim) {
+    case 16: return &tokens_entry<T, 1>;
+    case 32: return &tokens_entry<T, 2>;
+    case 64: return &tokens_entry<T, 4>;
+    case 128: return &tokens_entry<T, 8>;
+    case 256: return &tokens_entry<T, 16>;
+    default: return nullptr;
   }
 }
 
@@ -301,6 +426,32 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   const int64_t* sp = slots.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const RowFn row = pick_row<T>(group, dim);
+  const TokensFn tokens =
+      row_of != nullptr && lse_out == nullptr ? pick_tokens<T>(dim) : nullptr;
+  if (tokens != nullptr) {
+    // Runs of up to kTokensPerCall consecutive tokens of one sequence (one slot row, lengths
+    // one apart), each run and KV head one work item.
+    std::vector<int64_t> runs;  // first token of each run, then batch
+    for (int64_t b = 0; b < batch; ++b)
+      if (runs.empty() || b - runs.back() == kTokensPerCall || row_of[b] != row_of[b - 1] ||
+          lens[b] != lens[b - 1] + 1)
+        runs.push_back(b);
+    const int64_t nruns = static_cast<int64_t>(runs.size());
+    runs.push_back(batch);
+    const int64_t run_grain = std::max<int64_t>(
+        1, kMinWorkPerThread / std::max<int64_t>(kTokensPerCall * most * group * dim, 1));
+    at::parallel_for(0, nruns * kv_heads, run_grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(static_cast<size_t>(kTokensPerCall * group * most));
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t r = n / kv_heads, h = n % kv_heads, b = runs[r];
+        tokens(qp + (b * heads + h * group) * dim, heads * dim, runs[r + 1] - b, group,
+               lens.data() + b, kp + h * dim, vp + h * dim, sp + row_of[b] * width,
+               kv_heads * dim, static_cast<float>(scale), scores.data(),
+               op + (b * heads + h * group) * dim, heads * dim);
+      }
+    });
+    return;
+  }
   // Rows n = b * Hkv + h: request b's KV head h; key j at pool row slots[b, j], head h.
   at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
