@@ -136,8 +136,10 @@ def _greedy_with_logprobs(engine, prompts: list[str], new_tokens: int) -> list[t
 def first_difference(a: tuple, b: tuple) -> str | None:
     """Where two (ids, logprobs, top logprobs) results first differ, or None if identical."""
     for step, (x, y) in enumerate(zip(zip(*a), zip(*b))):
+        if x[0] != y[0]:
+            return f"output token {step}: token id {x[0]} != {y[0]}"
         if x != y:
-            return f"output token {step}: {x} != {y}"
+            return f"output token {step}: logprobs {x[1:]} != {y[1:]}"
     return None if a == b else "lengths differ"
 
 

@@ -36,6 +36,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -238,19 +239,36 @@ __attribute__((target("avx512f"))) void attend_tokens(const T* q, int64_t q_toke
   constexpr int64_t dim = CHUNKS * 16;
   const int64_t most = lens[ntok - 1];
   const int64_t nq = ntok * group;  // query n: token n / G, head n % G
-  auto query = [&](int64_t n) { return q + (n / group) * q_token + (n % group) * dim; };
-  auto len_of = [&](int64_t n) { return lens[n / group]; };
+  int64_t qlen[kTokensPerCall * kMaxGroup];  // per query: its key count, query and output rows
+  const T* qrow[kTokensPerCall * kMaxGroup];
+  T* orow[kTokensPerCall * kMaxGroup];
+  for (int64_t i = 0; i < ntok; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      qlen[i * group + g] = lens[i];
+      qrow[i * group + g] = q + i * q_token + g * dim;
+      orow[i * group + g] = out + i * out_token + g * dim;
+    }
   const __m512 scale_v = _mm512_set1_ps(scale);
+  alignas(64) float widened[16 * dim];  // bfloat16 keys of a block, widened once for all queries
   for (int64_t j0 = 0; j0 < most; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, most - j0);
-    const T* kr[16];
-    for (int64_t t = 0; t < n; ++t) kr[t] = k + slots[j0 + t] * stride;
+    const float* kr[16];
+    for (int64_t t = 0; t < n; ++t) {
+      const T* src = k + slots[j0 + t] * stride;
+      if constexpr (std::is_same_v<T, float>) {
+        kr[t] = src;
+      } else {  // exact: the products are the same as from the bfloat16 values
+        for (int64_t c = 0; c < CHUNKS; ++c)
+          _mm512_store_ps(widened + t * dim + c * 16, load16(src + c * 16));
+        kr[t] = widened + t * dim;
+      }
+    }
     for (int64_t t = n; t < 16; ++t) kr[t] = kr[0];
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t len = len_of(i);
+      const int64_t len = qlen[i];
       if (len <= j0) continue;
       __m512 qv[CHUNKS];
-      for (int64_t c = 0; c < CHUNKS; ++c) qv[c] = load16(query(i) + c * 16);
+      for (int64_t c = 0; c < CHUNKS; ++c) qv[c] = load16(qrow[i] + c * 16);
       _mm512_mask_storeu_ps(scores + i * most + j0, arborlm_cpu::lane_mask(len - j0),
                             score_block(kr, qv, CHUNKS, scale_v));
     }
@@ -258,28 +276,27 @@ __attribute__((target("avx512f"))) void attend_tokens(const T* q, int64_t q_toke
   float total[kTokensPerCall * kMaxGroup];
   for (int64_t i = 0; i < nq; ++i) {
     float m;
-    total[i] = softmax_weights(scores + i * most, len_of(i), &m);
+    total[i] = softmax_weights(scores + i * most, qlen[i], &m);
   }
   constexpr int64_t per_pass = std::max<int64_t>(1, kAccumulators / CHUNKS);
   for (int64_t first = 0; first < nq; first += per_pass) {
     const int64_t np = std::min(per_pass, nq - first);
     __m512 o[per_pass * CHUNKS];
     for (int64_t i = 0; i < np * CHUNKS; ++i) o[i] = _mm512_setzero_ps();
-    const int64_t last = len_of(first + np - 1);  // the pass's longest
+    const int64_t last = qlen[first + np - 1];  // the pass's longest
     for (int64_t j = 0; j < last; ++j) {
       const T* vr = v + slots[j] * stride;
       __m512 vc[CHUNKS];
       for (int64_t c = 0; c < CHUNKS; ++c) vc[c] = load16(vr + c * 16);
       for (int64_t p = 0; p < np; ++p) {
-        if (j >= len_of(first + p)) continue;
+        if (j >= qlen[first + p]) continue;
         const __m512 w = _mm512_set1_ps(scores[(first + p) * most + j]);
         for (int64_t c = 0; c < CHUNKS; ++c)
           o[p * CHUNKS + c] = _mm512_fmadd_ps(w, vc[c], o[p * CHUNKS + c]);
       }
     }
     for (int64_t p = 0; p < np; ++p) {
-      const int64_t n = first + p;
-      store_row(o + p * CHUNKS, CHUNKS, total[n], out + (n / group) * out_token + (n % group) * dim);
+      store_row(o + p * CHUNKS, CHUNKS, total[first + p], orow[first + p]);
     }
   }
 }
