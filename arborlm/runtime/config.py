@@ -162,15 +162,13 @@ class EngineArgs:
     def _deterministic(self, model: ModelConfig, backend: str) -> bool:
         """Whether deterministic inference is wanted: `enable_deterministic_inference`, its
         default decided here. Asked for where it cannot hold, it is an error naming why."""
-        from arborlm.runtime.layers import cpu_kernels
-
         wanted = self.enable_deterministic_inference
         if wanted is False:
             return False
         reasons = []
         if self.device != "cpu":
             reasons.append(f"it runs on CPU only (device {self.device})")
-        elif not cpu_kernels.cpu_supports(model.dtype):
+        elif not _kernel_instructions(model.dtype):
             reasons.append(f"this CPU lacks the instructions of ArborLM's {model.dtype} kernels "
                            f"(AVX-512, and AVX512-BF16 for bfloat16)")
         if backend != "torch_native":
@@ -185,18 +183,30 @@ class EngineArgs:
         return not reasons
 
 
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX-BF16), which makes
-    bfloat16 matmuls about twice as fast as float32 and halves the weight and KV traffic."""
+def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where there is no such file)."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX-BF16), which makes
+    bfloat16 matmuls about twice as fast as float32 and halves the weight and KV traffic."""
+    return bool(_cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def _kernel_instructions(dtype: torch.dtype) -> bool:
+    """Whether the CPU has what ArborLM's CPU kernels need for `dtype` (AVX-512, and its BF16
+    dot product for bfloat16), read without importing them (the API process does not)."""
+    flags = _cpu_flags()
+    needed = {torch.float32: {"avx512f"}, torch.bfloat16: {"avx512f", "avx512_bf16"}}
+    return dtype in needed and needed[dtype] <= flags
 
 
 def _auto_attention_backend(device: str) -> str:

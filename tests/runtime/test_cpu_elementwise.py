@@ -60,7 +60,7 @@ def test_silu_and_mul_matches_float64(threads, torch_threads):
             assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
 
 
-def test_the_layers_route_float32_rows_to_the_kernels(monkeypatch):
+def test_the_layers_route_float32_and_bfloat16_rows_to_the_kernels(monkeypatch):
     calls = []
     for name in ("add_rms_norm", "silu_and_mul"):
         kernel = getattr(cpu_kernels, name)
@@ -76,16 +76,23 @@ def test_the_layers_route_float32_rows_to_the_kernels(monkeypatch):
     assert torch.allclose(activation.silu_and_mul(gate_up),
                           F.silu(gate_up[:, :64]) * gate_up[:, 64:], rtol=1e-6, atol=1e-6)
     assert calls == ["add_rms_norm", "silu_and_mul"]
-    norm.bfloat16()  # bfloat16 keeps the ATen form (its roundings are the reference's)
+    # bfloat16 too (the fused decode step's arithmetic: RMSNorm rounded, then times the weight
+    # and rounded, as the reference rounds), and per-head norms [T, H, D] as rows.
+    norm.bfloat16()
     norm._kernel = None
-    norm(torch.randn(3, 64).bfloat16())
+    xb = torch.randn(3, 64).bfloat16()
+    normed = F.rms_norm(xb.float(), (64,), eps=1e-6).bfloat16()
+    torch.testing.assert_close(norm(xb), norm.weight * normed, atol=2 ** -6, rtol=2 ** -7)
+    heads = torch.randn(5, 2, 64).bfloat16()
+    assert torch.equal(norm(heads), norm(heads.reshape(10, 64)).view(5, 2, 64))
     activation.silu_and_mul(gate_up.bfloat16())
-    assert calls == ["add_rms_norm", "silu_and_mul"]
+    assert calls == ["add_rms_norm", "silu_and_mul", "add_rms_norm", "add_rms_norm",
+                     "add_rms_norm", "silu_and_mul"]
 
 
 def test_bad_arguments_name_the_problem():
     w = torch.randn(8)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="of one dtype"):
         cpu_kernels.add_rms_norm(torch.randn(2, 8).bfloat16(), None, w, 1e-6)
     with pytest.raises(RuntimeError, match="weight must be"):
         cpu_kernels.add_rms_norm(torch.randn(2, 8), None, torch.randn(7), 1e-6)

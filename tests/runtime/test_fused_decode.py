@@ -20,6 +20,10 @@ from arborlm.runtime import compiled_decode, model_runner
 from arborlm.runtime.layers import cpu_kernels, cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
+# These tests follow the kernels that run without deterministic inference (the causal
+# kernel, cascade attention, oneDNN above 128 rows); bfloat16 engines turn it on by default.
+NOT_DETERMINISTIC = {"enable_deterministic_inference": False}
+
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels.attention_available(torch.float32) and cpu_linear.packing_available()),
     reason="ArborLM's CPU kernels do not run on this machine")
@@ -54,13 +58,13 @@ def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, 
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # some packed, some not
     path = str(make_tiny_model(arch, **overrides))
     calls = _count_fused_steps(monkeypatch)
-    with Engine(path, dtype=dtype, enable_torch_compile=True) as engine:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC, enable_torch_compile=True) as engine:
         assert engine.scheduler.runner.compiled.fused is not None
         fused = _decode_together(engine)
     # Every decode step after the prefill's token, at batch sizes 3, 2 and 1.
     assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
     monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
-    with Engine(path, dtype=dtype) as engine:  # eager, without the fused step
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:  # eager, without the fused step
         assert engine.scheduler.runner.fused is None
         eager = _decode_together(engine)
     _check_equal(path, dtype, fused, eager)
@@ -77,13 +81,13 @@ def test_eager_engines_decode_through_the_fused_step(make_tiny_model, monkeypatc
         pytest.skip("this CPU lacks AVX512-BF16")
     path = str(make_tiny_model(arch, **overrides))
     calls = _count_fused_steps(monkeypatch)
-    with Engine(path, dtype=dtype) as engine:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:
         assert engine.scheduler.runner.compiled is None
         assert engine.scheduler.runner.fused is not None
         fused = _decode_together(engine)
     assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
     monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
-    with Engine(path, dtype=dtype) as engine:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:
         eager = _decode_together(engine)
     _check_equal(path, dtype, fused, eager)
 
@@ -98,11 +102,11 @@ def test_wide_batches_split_the_row_work_over_threads(make_tiny_model, monkeypat
     prompts = [[(3 * i + 7 * j) % 300 + 6 for i in range(5 + j)] for j in range(20)]
     params = [dict(GREEDY, max_new_tokens=6 + j % 5) for j in range(20)]
     calls = _count_fused_steps(monkeypatch)
-    with Engine(path, dtype=dtype, num_continuous_decode_steps=1) as engine:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC, num_continuous_decode_steps=1) as engine:
         fused = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     assert max(calls) == 20
     monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
-    with Engine(path, dtype=dtype) as engine:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:
         eager = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     for f, e in zip(fused, eager):
         assert f["output_ids"] == e["output_ids"]
@@ -198,10 +202,10 @@ def test_requests_on_a_shared_prefix_decode_through_the_fused_step(make_tiny_mod
                         sampling_params={"max_new_tokens": 1})  # cache both prefixes
         return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
 
-    with Engine(path, dtype=dtype) as engine:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:
         fused = run(engine)
     assert groups.count(2) == params["max_new_tokens"] - 1, groups
-    with Engine(path, dtype=dtype, disable_fused_decode=True) as engine:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC, disable_fused_decode=True) as engine:
         eager = run(engine)
     for prompt, f, e in zip(prompts, fused, eager):
         assert f["output_ids"] == e["output_ids"]
