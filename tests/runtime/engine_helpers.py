@@ -125,12 +125,18 @@ EXACTNESS_CONFIGS = {
 }
 
 
-def _greedy_with_logprobs(engine, prompts: list[str], new_tokens: int) -> list[tuple]:
+def _greedy_with_logprobs(engine, prompts: list[str], new_tokens: int,
+                          vocab: int | None) -> list[tuple]:
+    spread = [] if vocab is None else list(range(0, vocab, -(-vocab // 64)))  # <= 64 ids
     outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": new_tokens,
                                      "ignore_eos": True},
-                           return_logprob=True, top_logprobs_num=5)
+                           return_logprob=True, top_logprobs_num=5,
+                           token_ids_logprob=spread or None)
     return [(o["output_ids"], o["meta_info"]["output_token_logprobs"],
-             o["meta_info"]["output_top_logprobs"]) for o in outs]
+             list(zip(o["meta_info"]["output_top_logprobs"],
+                      o["meta_info"]["output_token_ids_logprobs"] if spread
+                      else o["meta_info"]["output_top_logprobs"])))
+            for o in outs]
 
 
 def first_difference(a: tuple, b: tuple) -> str | None:
@@ -144,16 +150,17 @@ def first_difference(a: tuple, b: tuple) -> str | None:
 
 
 def exactness_matrix(path: str, prompts: list[str], new_tokens: int = 12,
-                     **options) -> dict[str, list[str]]:
+                     vocab: int | None = None, **options) -> dict[str, list[str]]:
     """Each prompt alone (radix cache off, one request at a time) against every configuration
     of `EXACTNESS_CONFIGS`: {configuration: ["prompt i: where it first differs", ...]}; empty
     lists where every prompt's greedy tokens, their logprobs and the top-5 logprobs at every
-    step are bit-identical (logprobs are the logits less one log-sum-exp over all of them)."""
+    step are bit-identical (logprobs are the logits less one log-sum-exp over all of them).
+    With `vocab`, also the logprobs of 64 token ids spread evenly over the vocabulary."""
     from arborlm import Engine
 
     engine = Engine(path, disable_radix_cache=True, **options)
     try:
-        alone = [_greedy_with_logprobs(engine, [p], new_tokens)[0] for p in prompts]
+        alone = [_greedy_with_logprobs(engine, [p], new_tokens, vocab)[0] for p in prompts]
     finally:
         engine.shutdown()
     report: dict[str, list[str]] = {}
@@ -165,7 +172,7 @@ def exactness_matrix(path: str, prompts: list[str], new_tokens: int = 12,
                 for e in engines.values():
                     e.shutdown()
                 engines = {key: Engine(path, **options, **extra)}
-            got = _greedy_with_logprobs(engines[key], prompts, new_tokens)
+            got = _greedy_with_logprobs(engines[key], prompts, new_tokens, vocab)
             report[name] = [f"prompt {i}: {d}" for i, (a, b) in enumerate(zip(alone, got))
                             if (d := first_difference(a, b)) is not None]
     finally:

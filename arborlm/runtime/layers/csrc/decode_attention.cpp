@@ -223,6 +223,38 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
 constexpr int64_t kTokensPerCall = 8;
 constexpr int64_t kAccumulators = 24;
 
+// Weighted values of NP queries (lengths ascending, weights in rows of `scores` `most` apart):
+// every value row read once for all of them while all are still reading, each query's sum
+// taken key by key as `attend_row` takes it; then each output rounded once.
+template <typename T, int CHUNKS, int NP>
+__attribute__((target("avx512f"))) void weigh_values(const T* v, const int64_t* slots,
+                                                    int64_t stride, const float* scores,
+                                                    int64_t most, const int64_t* qlen,
+                                                    const float* total, T* const* orow) {
+  __m512 o[NP * CHUNKS];
+  for (int i = 0; i < NP * CHUNKS; ++i) o[i] = _mm512_setzero_ps();
+  const int64_t shared = qlen[0];  // every query reads keys below the shortest's length
+  for (int64_t j = 0; j < shared; ++j) {
+    const T* vr = v + slots[j] * stride;
+    __m512 vc[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) vc[c] = load16(vr + c * 16);
+    for (int p = 0; p < NP; ++p) {
+      const __m512 w = _mm512_set1_ps(scores[p * most + j]);
+      for (int c = 0; c < CHUNKS; ++c) o[p * CHUNKS + c] = _mm512_fmadd_ps(w, vc[c], o[p * CHUNKS + c]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {  // each query's own last keys
+    __m512 acc[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) acc[c] = o[p * CHUNKS + c];
+    for (int64_t j = shared; j < qlen[p]; ++j) {
+      const T* vr = v + slots[j] * stride;
+      const __m512 w = _mm512_set1_ps(scores[p * most + j]);
+      for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_fmadd_ps(w, load16(vr + c * 16), acc[c]);
+    }
+    store_row(acc, CHUNKS, total[p], orow[p]);
+  }
+}
+
 // Tokens i < ntok of one sequence, each with its G query heads (token i's head g at
 // q + i * q_token + g * D), attend to the first lens[i] keys of one slot row (lens ascending):
 // each query computed exactly as `attend_row` computes a decode step's (the same score blocks,
@@ -278,25 +310,20 @@ __attribute__((target("avx512f"))) void attend_tokens(const T* q, int64_t q_toke
     float m;
     total[i] = softmax_weights(scores + i * most, qlen[i], &m);
   }
-  constexpr int64_t per_pass = std::max<int64_t>(1, kAccumulators / CHUNKS);
+  constexpr int64_t per_pass = std::clamp<int64_t>(kAccumulators / CHUNKS, 1, 8);
   for (int64_t first = 0; first < nq; first += per_pass) {
     const int64_t np = std::min(per_pass, nq - first);
-    __m512 o[per_pass * CHUNKS];
-    for (int64_t i = 0; i < np * CHUNKS; ++i) o[i] = _mm512_setzero_ps();
-    const int64_t last = qlen[first + np - 1];  // the pass's longest
-    for (int64_t j = 0; j < last; ++j) {
-      const T* vr = v + slots[j] * stride;
-      __m512 vc[CHUNKS];
-      for (int64_t c = 0; c < CHUNKS; ++c) vc[c] = load16(vr + c * 16);
-      for (int64_t p = 0; p < np; ++p) {
-        if (j >= qlen[first + p]) continue;
-        const __m512 w = _mm512_set1_ps(scores[(first + p) * most + j]);
-        for (int64_t c = 0; c < CHUNKS; ++c)
-          o[p * CHUNKS + c] = _mm512_fmadd_ps(w, vc[c], o[p * CHUNKS + c]);
-      }
-    }
-    for (int64_t p = 0; p < np; ++p) {
-      store_row(o + p * CHUNKS, CHUNKS, total[first + p], orow[first + p]);
+    switch (np) {  // a constant count keeps the pass's accumulators in registers
+#define ARBORLM_PASS(N)                                                                         \
+  case N:                                                                                       \
+    if constexpr (N <= per_pass)                                                                \
+      weigh_values<T, CHUNKS, N>(v, slots, stride, scores + first * most, most, qlen + first,  \
+                                 total + first, orow + first);                                 \
+    break;
+      ARBORLM_PASS(1) ARBORLM_PASS(2) ARBORLM_PASS(3) ARBORLM_PASS(4)
+      ARBORLM_PASS(5) ARBORLM_PASS(6) ARBORLM_PASS(7) ARBORLM_PASS(8)
+#undef ARBORLM_PASS
+      default: break;
     }
   }
 }
