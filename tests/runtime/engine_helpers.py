@@ -109,19 +109,18 @@ class DirectScheduler:
 
 # --- the exactness matrix (deterministic inference) ---------------------------------------------
 
-# Configurations a request's logits must not depend on under deterministic inference, each an
-# engine's options and how its prompts are sent: "alone" one request at a time, "batched" all at
-# once (requests of very different lengths), "warm" all at once a second time (every prompt's
-# prefix then comes from the radix cache).
+# Configurations a request's logits must not depend on under deterministic inference: the
+# engine options of each, under which every prompt is sent at once (requests of very different
+# lengths batched together). Consecutive configurations with the same options share one engine,
+# so "cache warm" runs on the radix cache that "cache cold" has just filled.
 EXACTNESS_CONFIGS = {
-    "batched, radix cache off": ({"disable_radix_cache": True}, "batched"),
-    "batched, cache cold": ({}, "batched"),
-    "batched, cache warm": ({}, "warm"),
-    "chunked prefill 16, page size 16": ({"chunked_prefill_size": 16, "page_size": 16},
-                                         "batched"),
-    "chunked prefill 64, one decode step per call": (
-        {"chunked_prefill_size": 64, "num_continuous_decode_steps": 1}, "batched"),
-    "multi-process engine": ({"mode": "multiprocess"}, "batched"),
+    "batched, radix cache off": {"disable_radix_cache": True},
+    "batched, cache cold": {},
+    "batched, cache warm": {},
+    "chunked prefill 16, page size 16": {"chunked_prefill_size": 16, "page_size": 16},
+    "chunked prefill 64, one decode step per call": {"chunked_prefill_size": 64,
+                                                     "num_continuous_decode_steps": 1},
+    "multi-process engine": {"mode": "multiprocess"},
 }
 
 
@@ -166,7 +165,7 @@ def exactness_matrix(path: str, prompts: list[str], new_tokens: int = 12,
     report: dict[str, list[str]] = {}
     engines: dict[str, Any] = {}
     try:
-        for name, (extra, how) in EXACTNESS_CONFIGS.items():
+        for name, extra in EXACTNESS_CONFIGS.items():
             key = repr(sorted(extra.items()))
             if key not in engines:
                 for e in engines.values():

@@ -68,7 +68,8 @@ def test_runs_of_steps_give_the_tokens_of_single_steps(make_tiny_model, monkeypa
         pytest.skip("this CPU lacks AVX512-BF16")
     path = str(make_tiny_model("llama"))
     runs = _runs(monkeypatch)
-    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC, num_continuous_decode_steps=4, debug_integrity=True) as e:
+    with Engine(path, dtype=dtype, **NOT_DETERMINISTIC, num_continuous_decode_steps=4,
+                debug_integrity=True) as e:
         ahead = _generate(e)
         info = e.get_server_info()
     # Runs of 4 while every request has 4 more to make, then shorter ones; the batch shrinks

@@ -4,8 +4,9 @@ A token's logits must depend only on its own tokens: not on the batch, chunk bou
 page size, prefix-cache hits, continuous decode steps or the engine's process layout. The
 matrix runs on tiny models of three architectures (Llama: the fused decode step; Qwen2: q/k/v
 biases; Qwen3: q/k norms, eager decode) in float32 and bfloat16, comparing greedy tokens and
-their logprobs, the top 5 and 64 token ids spread over the vocabulary at every step, bit for bit
-(logprobs are the logits less one log-sum-exp); `tests/real_model/test_determinism.py` runs it on the real model.
+their logprobs, the top 5 and 64 token ids spread over the vocabulary at every step, bit for
+bit (logprobs are the logits less one log-sum-exp); `tests/real_model/test_determinism.py`
+runs it on the real model.
 The kernels it rests on are checked here too: every token of an extend attending as a decode
 query would, the bfloat16 row functions, and the panel linears at every batch size.
 """

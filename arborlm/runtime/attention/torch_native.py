@@ -29,7 +29,7 @@ Runs on CPU and GPU and is what CI uses. The layouts are chosen for CPU speed:
   groups' prefixes run in the same few batched matmuls (padded to the longest prefix and the
   largest group), and the workspace keeps the prefixes too while the batch continues.
 
-With deterministic inference (the engine's default where the CPU kernels run) there is no
+With deterministic inference (the engine's default in bfloat16, see docs/determinism.md) there is no
 cascade, and every token of an extend attends on its own through the decode kernel's arithmetic
 (`cpu_kernels.paged_attention_rows`, straight from the pool): a token's attention is then the
 same whether it was prefilled in one chunk or several, decoded, batched with other requests or

@@ -14,7 +14,8 @@ the one-row kernel it replaced (MKL's GEMV: ~10 GB/s). `benchmarks/cpu_kernels.p
 
 `add_rms_norm` and `silu_and_mul` (float32 and bfloat16, eager forward): a residual add fused
 with RMSNorm, and SwiGLU, one pass over the activations each instead of ATen's six and three,
-with the fused decode step's arithmetic (see `csrc/elementwise.cpp`, `csrc/row_ops.h`). `argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
+with the fused decode step's arithmetic (see `csrc/elementwise.cpp`, `csrc/row_ops.h`).
+`argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
 compares element by element: 32 rows of 8,192 logits ~115 us, here ~16 us).
 
 `causal_attention`: an extend's attention (a prompt's new tokens, on a cached prefix or not) as
