@@ -101,7 +101,10 @@ def test_streaming_yields_the_same_text(backend):
     final = chat.run("Stream this", backend=backend, **GREEDY)
     state = chat.run("Stream this", backend=backend, stream=True, **GREEDY)
     pieces = list(state.text_iter())
-    assert len(pieces) > 3
+    # At least one piece per expression (the constant prefix, then each gen); how many more
+    # depends on how fast this thread reads (a slow reader gets tokens coalesced), so the count
+    # is a floor, not a figure.
+    assert len(pieces) >= 3
     assert "".join(pieces) == final.text()
     var_state = chat.run("Stream this", backend=backend, stream=True, **GREEDY)
     assert "".join(var_state.text_iter("answer")) == final["answer"]
