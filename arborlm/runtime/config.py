@@ -80,9 +80,7 @@ class EngineArgs:
     torch_compile_max_bs: int = _doc(
         "Largest decode batch that runs compiled (enable_torch_compile); larger ones, and "
         "batches whose requests share a cached prefix (cascade attention), run eagerly (or "
-        "through the fused decode step, which serves Llama-family models). "
-        "32M model on 2 cores, ms per step compiled vs eager: float32 4 requests 7.2 vs 8.2, "
-        "32: 16.3 vs 17.7-24.2; bfloat16 4: 4.6 vs 7.9, 32: 10.1-13.1 vs 13.1-14.2.",
+        "through the fused decode step, which serves Llama-family models).",
         default=32)
     disable_fused_decode: bool = _doc(
         "CPU: run decode steps through the model's modules (eagerly, or compiled with "
