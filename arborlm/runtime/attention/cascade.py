@@ -7,6 +7,7 @@ tables. `shared_runs` finds them; `torch_native` decodes such groups with cascad
 `attend_extend_group`): all members' new tokens attend to the shared prefix in one flash
 attention call (ArborLM's `prefix_attention` kernel where it runs) and to their own keys in one
 more, padded, the two parts merged by their log-sum-exps (both kernels return them).
+`cascade_meta` turns a decode batch's groups into the tensors its cascade attention indexes by.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from arborlm.runtime.attention.base import AttentionLayerSpec
+from arborlm.runtime.attention.decode_workspace import Layout
 from arborlm.runtime.layers import cpu_kernels
 
 
@@ -155,3 +157,62 @@ def attend_extend_group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
     res = shared.mul_(shared_lse.sub(joint).exp_())
     res.add_(own.mul_(own_lse.sub_(joint).exp_()))
     out.index_copy_(0, g.tokens.index_select(0, g.real), res.to(out.dtype))
+
+
+@dataclass
+class CascadeMeta:
+    """Cascade groups of a decode batch: requests sharing a cached prefix, read once a group."""
+
+    index: torch.Tensor | None  # [Hkv * NG * P] pool rows of each group's prefix (padded), or
+    # None when the prefixes are in the workspace
+    mask: torch.Tensor  # [1, NG, 1, P] float32: 0 within a group's prefix, -inf past it
+    members: torch.Tensor  # [NG * M] batch index of each group's members (padding: 0)
+    place: torch.Tensor  # [B] each request's row among the NG * M (NG * M: in no group)
+    num_groups: int  # NG
+    max_members: int  # M
+    width: int  # P: the longest group prefix
+    identity: bool = False  # every request in a group, groups in batch order and equal-sized:
+    # group-major rows are the batch's own rows (no reordering needed)
+
+
+def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Slots `[...]` -> rows `[Hkv * ...]` of a `[num_slots * Hkv, D]` view, head-major."""
+    heads = torch.arange(num_kv_heads, device=slots.device).view(-1, *([1] * slots.dim()))
+    return (slots.unsqueeze(0) * num_kv_heads + heads).flatten()
+
+
+def to_request_rows(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:
+    """Group-major rows `[Hkv, NG*M, ...]` -> per-request rows `[Hkv, B, ...]` (`place[i]`
+    is request i's row; `NG*M`, one past the last, gives a row of `fill`)."""
+    pad = x.new_full((x.shape[0], 1, *x.shape[2:]), fill)
+    return torch.cat([x, pad], dim=1).index_select(1, place)
+
+
+def cascade_meta(slots: torch.Tensor | None, layout: Layout, hkv: int) -> CascadeMeta | None:
+    """The group tensors of `layout` (None without groups); with `slots` `[B, L]`, also the
+    pool rows of each group's prefix (a continuing step reads them from the workspace)."""
+    if not any(g >= 0 for g in layout.groups):
+        return None
+    ng, p = layout.num_groups, layout.prefix_width
+    by_group: list[list[int]] = [[] for _ in range(ng)]
+    for i, g in enumerate(layout.groups):
+        if g >= 0:
+            by_group[g].append(i)
+    m = max(map(len, by_group))
+    members, place = [0] * (ng * m), [ng * m] * len(layout.groups)
+    for g, group in enumerate(by_group):
+        for j, i in enumerate(group):
+            members[g * m + j], place[i] = i, g * m + j
+    lens = [layout.offsets[group[0]] if group else 0 for group in by_group]
+    device = slots.device if slots is not None else None
+    valid = torch.arange(p, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    mask = torch.zeros((1, ng, 1, p), dtype=torch.float32, device=device)
+    mask.masked_fill_(~valid[None, :, None, :], float("-inf"))
+    index = None
+    if slots is not None:
+        first = torch.tensor([group[0] if group else 0 for group in by_group], device=device)
+        index = head_rows(slots[first, :p] * valid, hkv)  # [Hkv * NG * P]
+    identity = members == place == list(range(len(layout.groups)))
+    return CascadeMeta(index=index, mask=mask, members=torch.tensor(members, device=device),
+                        place=torch.tensor(place, device=device), num_groups=ng,
+                        max_members=m, width=p, identity=identity)

@@ -47,11 +47,15 @@ import torch.nn.functional as F
 
 from arborlm.runtime.attention.base import AttentionBackend, AttentionLayerSpec
 from arborlm.runtime.attention.cascade import (
+    CascadeMeta,
     ExtendGroup,
     attend_extend_group,
+    cascade_meta,
     causal_mask,
     extend_groups,
+    head_rows,
     shared_runs,
+    to_request_rows,
 )
 from arborlm.runtime.attention.decode_workspace import DecodeWorkspace, Layout
 from arborlm.runtime.forward_batch import ForwardBatch
@@ -69,27 +73,11 @@ CASCADE_EXTEND_MAX_NEW = 256
 
 
 @dataclass
-class _CascadeMeta:
-    """Cascade groups of a decode batch: requests sharing a cached prefix, read once a group."""
-
-    index: torch.Tensor | None  # [Hkv * NG * P] pool rows of each group's prefix (padded), or
-    # None when the prefixes are in the workspace
-    mask: torch.Tensor  # [1, NG, 1, P] float32: 0 within a group's prefix, -inf past it
-    members: torch.Tensor  # [NG * M] batch index of each group's members (padding: 0)
-    place: torch.Tensor  # [B] each request's row among the NG * M (NG * M: in no group)
-    num_groups: int  # NG
-    max_members: int  # M
-    width: int  # P: the longest group prefix
-    identity: bool = False  # every request in a group, groups in batch order and equal-sized:
-    # group-major rows are the batch's own rows (no reordering needed)
-
-
-@dataclass
 class _DecodeMeta:
     index: torch.Tensor | None  # [Hkv * B * L] int64 rows of the pool seen as [slots * Hkv, D]
     mask: torch.Tensor  # [1, B, 1, L] float32: 0 for real keys, -inf for padding
     width: int  # L: own (non-shared) keys per request, padded
-    cascade: _CascadeMeta | None  # the groups sharing a prefix, or None
+    cascade: CascadeMeta | None  # the groups sharing a prefix, or None
     workspace: str | None = None  # "fill" (copy the gather in) / "append" (no gather) / None
     # [Hkv * B] rows of the workspace seen as [Hkv * B * cap, D] that each request's new token
     # goes to, head-major, for "append".
@@ -107,10 +95,16 @@ class _ExtendMeta:
     # are then attended by `attend_extend_group`, not one by one)
     kernel: bool = False  # a CPU pool the attention kernels take: requests attend one by one
     # with `cpu_kernels.causal_attention` (where the head shape fits too)
-    # Deterministic inference: each new token's req_to_token row and key count `[T]`; every
-    # token then attends on its own, as a decode step's query (`paged_attention_rows`).
-    token_rows: torch.Tensor | None = None
-    token_lens: torch.Tensor | None = None
+
+
+@dataclass
+class _TokenKeys:
+    """An extend's metadata under deterministic inference: each new token's `req_to_token` row
+    and key count (its position + 1), `[T]` each; every token attends on its own, as a decode
+    step's query would (`cpu_kernels.paged_attention_rows`)."""
+
+    rows: torch.Tensor
+    lens: torch.Tensor
 
 
 def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -118,12 +112,6 @@ def _padding_mask(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
     pos = torch.arange(width, device=seq_lens.device)
     mask = torch.zeros((1, seq_lens.shape[0], 1, width), dtype=torch.float32, device=pos.device)
     return mask.masked_fill_(pos >= seq_lens[:, None, None], float("-inf"))
-
-
-def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Slots `[...]` -> rows `[Hkv * ...]` of a `[num_slots * Hkv, D]` view, head-major."""
-    heads = torch.arange(num_kv_heads, device=slots.device).view(-1, *([1] * slots.dim()))
-    return (slots.unsqueeze(0) * num_kv_heads + heads).flatten()
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -136,7 +124,7 @@ class TorchNativeBackend(AttentionBackend):
         self.workspace = DecodeWorkspace()
         # (layout, its offsets, its cascade groups) of the last appending step; see
         # `_layout_tensors`.
-        self._layout_cache: tuple[Layout | None, torch.Tensor | None, _CascadeMeta | None] = (
+        self._layout_cache: tuple[Layout | None, torch.Tensor | None, CascadeMeta | None] = (
             None, None, None)
         self._kernel: dict[torch.dtype, bool] = {}  # pool dtype -> the CPU kernel runs for it
 
@@ -163,7 +151,11 @@ class TorchNativeBackend(AttentionBackend):
 
     # --- extend -------------------------------------------------------------------------------
 
-    def _extend_metadata(self, batch: ForwardBatch) -> _ExtendMeta:
+    def _extend_metadata(self, batch: ForwardBatch) -> _ExtendMeta | _TokenKeys:
+        if self.deterministic:
+            ext = torch.tensor(batch.extend_seq_lens_cpu, device=batch.req_pool_indices.device)
+            return _TokenKeys(rows=batch.req_pool_indices.repeat_interleave(ext),
+                              lens=batch.positions + 1)
         table = batch.req_to_token_pool.req_to_token
         kernel = self._kernel_runs(batch)
         slots: list[torch.Tensor | None] = []
@@ -182,9 +174,6 @@ class TorchNativeBackend(AttentionBackend):
         starts = [0]
         for ext in batch.extend_seq_lens_cpu:
             starts.append(starts[-1] + ext)
-        if self.deterministic:
-            return _ExtendMeta(slots=slots, masks=masks, starts=starts, kernel=kernel,
-                               **_token_keys(batch))
         groups = []
         if torch.device(batch.kv_pool.device).type == "cpu":  # the CPU flash kernel's lse
             groups = extend_groups(table, rows, slots, starts, batch.extend_prefix_lens_cpu,
@@ -204,13 +193,13 @@ class TorchNativeBackend(AttentionBackend):
     def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
                 batch: ForwardBatch) -> torch.Tensor:
         """q `[T, H, D]`, k/v `[T, Hkv, D]` of the new tokens -> `[T, H, D]`."""
-        meta: _ExtendMeta = batch.attn_metadata
+        meta: _ExtendMeta | _TokenKeys = batch.attn_metadata
         k_buf = batch.kv_pool.k_buffer[layer.layer_id]
         v_buf = batch.kv_pool.v_buffer[layer.layer_id]
-        if meta.token_rows is not None:  # deterministic: each token as a decode query
+        if isinstance(meta, _TokenKeys):  # deterministic: each token as a decode query
             return cpu_kernels.paged_attention_rows(
-                q, k_buf, v_buf, batch.req_to_token_pool.req_to_token, meta.token_rows,
-                meta.token_lens, layer.scaling)
+                q, k_buf, v_buf, batch.req_to_token_pool.req_to_token, meta.rows, meta.lens,
+                layer.scaling)
         gqa = layer.num_heads != layer.num_kv_heads
         kernel = meta.kernel and k_buf.dtype == q.dtype and cpu_kernels.attention_fits(
             q.dtype, layer.num_heads // layer.num_kv_heads, layer.head_dim)
@@ -275,13 +264,13 @@ class TorchNativeBackend(AttentionBackend):
             self._kernel[pool.dtype] = cpu_kernels.attention_available(pool.dtype)
         return self._kernel[pool.dtype]
 
-    def _layout_tensors(self, batch: ForwardBatch) -> tuple[torch.Tensor, _CascadeMeta | None]:
+    def _layout_tensors(self, batch: ForwardBatch) -> tuple[torch.Tensor, CascadeMeta | None]:
         """Offsets `[B]` and cascade groups of the workspace's layout, built once per layout
         (the workspace replaces its layout only when the batch is refilled or requests leave)."""
         layout = self.workspace.layout
         if self._layout_cache[0] is not layout:
             offsets = torch.tensor(layout.offsets, device=batch.seq_lens.device)
-            cascade = _cascade_meta(None, layout, batch.kv_pool.num_kv_heads)
+            cascade = cascade_meta(None, layout, batch.kv_pool.num_kv_heads)
             self._layout_cache = (layout, offsets, cascade)
         return self._layout_cache[1], self._layout_cache[2]
 
@@ -306,14 +295,14 @@ class TorchNativeBackend(AttentionBackend):
         if bsz == 1:  # no padding, no sharing: a slice of the request's row
             slots = table[int(batch.req_pool_indices[0]), :width]  # [L]
             mask = torch.zeros((1, 1, 1, width), dtype=torch.float32, device=slots.device)
-            meta = _DecodeMeta(index=_head_rows(slots, hkv), mask=mask, width=width, cascade=None)
+            meta = _DecodeMeta(index=head_rows(slots, hkv), mask=mask, width=width, cascade=None)
             return meta, Layout([0], [-1]), batch.seq_lens
         slots = table[batch.req_pool_indices, :width]  # [B, L]
         pos = torch.arange(width, device=slots.device)
         slots = slots * (pos[None, :] < batch.seq_lens[:, None])  # padding -> slot 0
         layout = find_groups(slots, batch.seq_lens_cpu) if cascade else \
             Layout([0] * bsz, [-1] * bsz)
-        groups = _cascade_meta(slots, layout, hkv)
+        groups = cascade_meta(slots, layout, hkv)
         own_slots, own_lens = slots, batch.seq_lens
         if groups is not None:  # each request's keys after its group's prefix
             offsets = torch.tensor(layout.offsets, device=slots.device)
@@ -323,7 +312,7 @@ class TorchNativeBackend(AttentionBackend):
             own_slots = own_slots * (own_pos < batch.seq_lens[:, None])
         own_width = own_slots.shape[1]
         mask = _padding_mask(own_lens, own_width)
-        meta = _DecodeMeta(index=_head_rows(own_slots, hkv), mask=mask, width=own_width,
+        meta = _DecodeMeta(index=head_rows(own_slots, hkv), mask=mask, width=own_width,
                            cascade=groups)
         return meta, layout, own_lens
 
@@ -406,7 +395,7 @@ class TorchNativeBackend(AttentionBackend):
 
     @staticmethod
     def _with_prefix(qh: torch.Tensor, own: torch.Tensor, own_lse: torch.Tensor,
-                     kp: torch.Tensor, vp: torch.Tensor, c: _CascadeMeta,
+                     kp: torch.Tensor, vp: torch.Tensor, c: CascadeMeta,
                      layer: AttentionLayerSpec) -> torch.Tensor:
         """Decode attention over (group prefix, own keys): `[Hkv * B, G, D]`.
 
@@ -422,7 +411,7 @@ class TorchNativeBackend(AttentionBackend):
         bsz = rows // hkv
 
         def per_request(x: torch.Tensor, fill: float) -> torch.Tensor:  # group-major -> batch
-            return x if c.identity else _per_request(x, c.place, fill)
+            return x if c.identity else to_request_rows(x, c.place, fill)
 
         qg = qh.view(hkv, bsz, group, d)
         if not c.identity:  # batch -> group-major
@@ -441,25 +430,6 @@ class TorchNativeBackend(AttentionBackend):
         joint = torch.logaddexp(own_lse, lse)
         own = own.float().mul_(own_lse.sub(joint).exp_())
         return own.add_(pref.mul_(lse.sub_(joint).exp_())).to(qh.dtype)
-
-
-def _token_keys(batch: ForwardBatch) -> dict[str, torch.Tensor]:
-    """Each new token's `req_to_token` row and key count (its position + 1), `[T]` each."""
-    ext = torch.tensor(batch.extend_seq_lens_cpu)
-    prefix = torch.tensor(batch.extend_prefix_lens_cpu)
-    rows = batch.req_pool_indices.cpu().repeat_interleave(ext)
-    starts = torch.cumsum(ext, 0) - ext  # each request's first token
-    lens = torch.arange(int(ext.sum())) - starts.repeat_interleave(ext) \
-        + prefix.repeat_interleave(ext) + 1
-    device = batch.req_pool_indices.device
-    return {"token_rows": rows.to(device), "token_lens": lens.to(device)}
-
-
-def _per_request(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:
-    """Group-major rows `[Hkv, NG*M, ...]` -> per-request rows `[Hkv, B, ...]` (`place[i]`
-    is request i's row; `NG*M`, one past the last, gives a row of `fill`)."""
-    pad = x.new_full((x.shape[0], 1, *x.shape[2:]), fill)
-    return torch.cat([x, pad], dim=1).index_select(1, place)
 
 
 def find_groups(slots: torch.Tensor, lens: list[int]) -> Layout:
@@ -482,33 +452,3 @@ def find_groups(slots: torch.Tensor, lens: list[int]) -> Layout:
     if saved < CASCADE_MIN_SAVING * sum(lens):
         return Layout([0] * len(lens), [-1] * len(lens))
     return layout
-
-
-def _cascade_meta(slots: torch.Tensor | None, layout: Layout, hkv: int) -> _CascadeMeta | None:
-    """The group tensors of `layout` (None without groups); with `slots` `[B, L]`, also the
-    pool rows of each group's prefix (a continuing step reads them from the workspace)."""
-    if not any(g >= 0 for g in layout.groups):
-        return None
-    ng, p = layout.num_groups, layout.prefix_width
-    by_group: list[list[int]] = [[] for _ in range(ng)]
-    for i, g in enumerate(layout.groups):
-        if g >= 0:
-            by_group[g].append(i)
-    m = max(map(len, by_group))
-    members, place = [0] * (ng * m), [ng * m] * len(layout.groups)
-    for g, group in enumerate(by_group):
-        for j, i in enumerate(group):
-            members[g * m + j], place[i] = i, g * m + j
-    lens = [layout.offsets[group[0]] if group else 0 for group in by_group]
-    device = slots.device if slots is not None else None
-    valid = torch.arange(p, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
-    mask = torch.zeros((1, ng, 1, p), dtype=torch.float32, device=device)
-    mask.masked_fill_(~valid[None, :, None, :], float("-inf"))
-    index = None
-    if slots is not None:
-        first = torch.tensor([group[0] if group else 0 for group in by_group], device=device)
-        index = _head_rows(slots[first, :p] * valid, hkv)  # [Hkv * NG * P]
-    identity = members == place == list(range(len(layout.groups)))
-    return _CascadeMeta(index=index, mask=mask, members=torch.tensor(members, device=device),
-                        place=torch.tensor(place, device=device), num_groups=ng,
-                        max_members=m, width=p, identity=identity)
