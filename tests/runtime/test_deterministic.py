@@ -101,6 +101,23 @@ def test_asking_where_it_cannot_hold_names_why(make_tiny_model) -> None:
     assert not EngineArgs(model_path=path, dtype="float16").resolve().deterministic
 
 
+def test_without_the_kernels_it_is_off_by_default_and_refused_when_asked(make_tiny_model,
+                                                                         monkeypatch) -> None:
+    from arborlm import Engine
+    from arborlm.errors import ModelLoadError
+
+    _kernels(torch.bfloat16)
+    monkeypatch.setenv("ARBORLM_CPU_KERNELS", "0")  # the kernels turned off, as if not built
+    path = str(make_tiny_model("llama"))
+    engine = Engine(path, dtype="bfloat16")
+    try:
+        assert engine.get_server_info()["deterministic_inference"] is False
+    finally:
+        engine.shutdown()
+    with pytest.raises(ModelLoadError, match="kernels for torch.bfloat16 are not available"):
+        Engine(path, dtype="bfloat16", enable_deterministic_inference=True)
+
+
 def test_cli_flag_is_on_off_or_default() -> None:
     from arborlm.server.cli import parse_args
 
@@ -123,7 +140,9 @@ def _pool(dtype: torch.dtype, slots: int, kv_heads: int, dim: int, seed: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (8, 8, 128), (6, 1, 32)])
+# Head dim 48 has no run-of-tokens specialization: each token then goes through the decode row.
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (9, 3, 64), (8, 8, 128), (6, 1, 32),
+                                                (4, 2, 48)])
 def test_extend_tokens_attend_as_decode_queries(dtype, heads, kv_heads, dim) -> None:
     """`paged_attention_rows` gives each token exactly what `decode_attention_paged` gives the
     same query with the same keys, alone, whatever else is in the call."""
