@@ -222,6 +222,9 @@ __attribute__((target("avx512f"))) void attend_row(const T* q, const T* k, const
 // weighted-value loop holds in registers (times D / 16 accumulators each).
 constexpr int64_t kTokensPerCall = 8;
 constexpr int64_t kAccumulators = 24;
+// Most bytes of scores a thread holds for one run of `paged_attention_rows` (a run of 8 tokens
+// with 16 query heads each at 8K keys: 4 MiB); longer sequences get shorter runs.
+constexpr int64_t kScoreBytes = 4 << 20;
 
 // Weighted values of NP queries (lengths ascending, weights in rows of `scores` `most` apart):
 // every value row read once for all of them while all are still reading, each query's sum
@@ -474,18 +477,22 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
       row_of != nullptr && lse_out == nullptr ? pick_tokens<T>(dim) : nullptr;
   if (tokens != nullptr) {
     // Runs of up to kTokensPerCall consecutive tokens of one sequence (one slot row, lengths
-    // one apart), each run and KV head one work item.
+    // one apart), each run and KV head one work item; fewer per run at long lengths, so that a
+    // thread's scores stay within kScoreBytes.
+    const int64_t per_run = std::clamp<int64_t>(
+        kScoreBytes / static_cast<int64_t>(sizeof(float) * group * std::max<int64_t>(most, 1)),
+        1, kTokensPerCall);
     std::vector<int64_t> runs;  // first token of each run, then batch
     for (int64_t b = 0; b < batch; ++b)
-      if (runs.empty() || b - runs.back() == kTokensPerCall || row_of[b] != row_of[b - 1] ||
+      if (runs.empty() || b - runs.back() == per_run || row_of[b] != row_of[b - 1] ||
           lens[b] != lens[b - 1] + 1)
         runs.push_back(b);
     const int64_t nruns = static_cast<int64_t>(runs.size());
     runs.push_back(batch);
     const int64_t run_grain = std::max<int64_t>(
-        1, kMinWorkPerThread / std::max<int64_t>(kTokensPerCall * most * group * dim, 1));
+        1, kMinWorkPerThread / std::max<int64_t>(per_run * most * group * dim, 1));
     at::parallel_for(0, nruns * kv_heads, run_grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(static_cast<size_t>(kTokensPerCall * group * most));
+      std::vector<float> scores(static_cast<size_t>(per_run * group * most));
       for (int64_t n = begin; n < end; ++n) {
         const int64_t r = n / kv_heads, h = n % kv_heads, b = runs[r];
         tokens(qp + (b * heads + h * group) * dim, heads * dim, runs[r + 1] - b, group,
