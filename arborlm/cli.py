@@ -10,6 +10,8 @@ import time
 
 
 def _generate(argv: list[str]) -> int:
+    from arborlm.runtime.config import DType, choices
+
     parser = argparse.ArgumentParser(
         prog="arborlm generate",
         description="Generate from a model in-process (default: SmolLM2-135M-Instruct, "
@@ -22,7 +24,7 @@ def _generate(argv: list[str]) -> int:
                              "random-weight model)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default=DType.AUTO.value, choices=choices(DType))
     parser.add_argument("--json", action="store_true", help="print the full native responses")
     args = parser.parse_args(argv)
     from arborlm import Engine

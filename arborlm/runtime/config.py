@@ -2,13 +2,19 @@
 
 `EngineArgs` holds what the user sets (names follow SGLang's server arguments); `resolve()`
 turns "auto" values into concrete ones and returns a frozen `EngineConfig`. The field docs
-double as CLI help (see `arborlm.server`). `ModelConfig` is what the runtime needs to know about
-a checkpoint, read from its `config.json` (or a GGUF file's metadata).
+(`option`) double as CLI help (see `arborlm.server`). `ModelConfig` is what the runtime needs
+to know about a checkpoint, read from its `config.json` (or a GGUF file's metadata).
+
+The options with a fixed set of values are declared here once, as `StrEnum`s (`EngineMode`,
+`DType`, `AttentionBackend`, `SchedulePolicy`, `GrammarBackendName`); the CLI's `choices=`, the
+server's options and `resolve()`'s checks all read them (`choices`, `check_choice`). Fields keep
+plain `str` values: a member equals its value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from dataclasses import dataclass, field
@@ -17,7 +23,7 @@ from typing import Any
 
 import torch
 
-from arborlm.constrained.base import GRAMMAR_BACKENDS
+from arborlm.constrained import GRAMMAR_BACKENDS
 from arborlm.errors import InvalidRequestError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -27,10 +33,65 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _doc(text: str, **kw: Any) -> Any:
+class EngineMode(enum.StrEnum):
+    """Where the scheduler runs: a thread of the caller's process, or child processes."""
+
+    INPROCESS = "inprocess"
+    MULTIPROCESS = "multiprocess"
+
+
+class DType(enum.StrEnum):
+    """Weight and activation dtype; `auto` is resolved from the CPU and the checkpoint."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class AttentionBackend(enum.StrEnum):
+    """Attention implementation; `auto` is resolved from the device (`resolve()`)."""
+
+    AUTO = "auto"
+    TORCH_NATIVE = "torch_native"
+    TRITON = "triton"
+    FLASHINFER = "flashinfer"
+
+
+class SchedulePolicy(enum.StrEnum):
+    """Order of the scheduler's waiting queue (see `scheduler/policy.py`)."""
+
+    FCFS = "fcfs"
+    LPM = "lpm"
+    DFS_WEIGHT = "dfs-weight"
+
+
+# The grammar engines, as `arborlm.constrained` (their registry) names them.
+GrammarBackendName = enum.StrEnum(
+    "GrammarBackendName", {name.upper(): name for name in GRAMMAR_BACKENDS})
+
+DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
+          DType.FLOAT16: torch.float16}
+
+
+def choices(kind: type[enum.StrEnum]) -> tuple[str, ...]:
+    """The values of `kind` as plain strings, in declaration order (argparse `choices=`)."""
+    return tuple(member.value for member in kind)
+
+
+def check_choice(kind: type[enum.StrEnum], value: str, param: str) -> str:
+    """`value` when it is one of `kind`'s values, else `InvalidRequestError` naming `param`."""
+    allowed = choices(kind)
+    if value not in allowed:
+        raise InvalidRequestError(f"{param} must be one of {', '.join(allowed)}, got {value!r}",
+                                  param)
+    return value
+
+
+def option(text: str, **kw: Any) -> Any:
+    """A dataclass field whose `help` metadata documents it (the CLI's help text)."""
     return field(metadata={"help": text}, **kw)
 
 
@@ -38,60 +99,64 @@ def _doc(text: str, **kw: Any) -> Any:
 class EngineArgs:
     """User-facing options. `None` / "auto" values are resolved by `resolve()`."""
 
-    model_path: str | None = _doc(
+    model_path: str | None = option(
         "A Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct (Q4_1 "
         "GGUF, fetched once into the cache). random-llama-40m names the built-in random-weight "
         "model (gibberish, no network).",
         default=None)
-    tokenizer_path: str | None = _doc("Tokenizer directory; default: the model's (a GGUF file's "
-                                      "own tokenizer).", default=None)
-    dtype: str = _doc("Weight and activation dtype: auto (bfloat16 on a CPU with native "
-                      "bfloat16 arithmetic, AVX512-BF16 or AMX; else the checkpoint's), float32, "
-                      "bfloat16, float16.", default="auto")
-    device: str = _doc("Device: cpu or cuda.", default="cpu")
-    max_total_tokens: int | None = _doc(
+    tokenizer_path: str | None = option("Tokenizer directory; default: the model's (a GGUF file's "
+                                        "own tokenizer).", default=None)
+    dtype: str = option("Weight and activation dtype; auto: bfloat16 on a CPU with native "
+                        "bfloat16 arithmetic (AVX512-BF16 or AMX), else the checkpoint's.",
+                        default=DType.AUTO.value)
+    device: str = option("Device: cpu or cuda.", default="cpu")
+    max_total_tokens: int | None = option(
         "KV cache capacity in tokens; default: from mem_fraction of available memory.",
         default=None)
-    mem_fraction: float = _doc("Fraction of free memory the KV pool may take when "
-                               "max_total_tokens is not given.", default=0.25)
-    max_running_requests: int = _doc("Most requests decoding at once.", default=256)
-    max_prefill_tokens: int = _doc("Most new prompt tokens admitted in one prefill step.",
-                                   default=8192)
-    chunked_prefill_size: int = _doc("Prompts longer than this are prefilled in chunks of this "
-                                     "many tokens; -1 disables chunking.", default=2048)
-    context_length: int | None = _doc("Longest prompt + output; default: the model's.",
-                                      default=None)
-    page_size: int = _doc("KV slots per page.", default=1)
-    schedule_policy: str = _doc("Waiting-queue order: fcfs, lpm, dfs-weight.", default="fcfs")
-    disable_radix_cache: bool = _doc("Turn off prefix reuse.", default=False)
-    attention_backend: str = _doc("Attention backend: auto, torch_native, triton, flashinfer.",
-                                  default="auto")
-    disable_cuda_graph: bool = _doc(
+    mem_fraction: float = option("Fraction of free memory the KV pool may take when "
+                                 "max_total_tokens is not given.", default=0.25)
+    max_running_requests: int = option("Most requests decoding at once.", default=256)
+    max_prefill_tokens: int = option("Most new prompt tokens admitted in one prefill step.",
+                                     default=8192)
+    chunked_prefill_size: int = option("Prompts longer than this are prefilled in chunks of this "
+                                       "many tokens; -1 disables chunking.", default=2048)
+    context_length: int | None = option("Longest prompt + output; default: the model's.",
+                                        default=None)
+    page_size: int = option("KV slots per page.", default=1)
+    schedule_policy: str = option("Waiting-queue order: arrival (fcfs), longest cached prefix "
+                                  "first (lpm), or the radix tree depth first, heavier subtrees "
+                                  "first (dfs-weight).",
+                                  default=SchedulePolicy.FCFS.value)
+    disable_radix_cache: bool = option("Turn off prefix reuse.", default=False)
+    attention_backend: str = option(
+        "Attention backend; auto: flashinfer on CUDA where it is installed, "
+        "else triton there, torch_native on CPU.", default=AttentionBackend.AUTO.value)
+    disable_cuda_graph: bool = option(
         "Run every decode step eagerly instead of replaying captured CUDA graphs (graphs are "
         "used only on CUDA with the triton or flashinfer backend).", default=False)
-    cuda_graph_max_bs: int = _doc(
+    cuda_graph_max_bs: int = option(
         "Largest decode batch captured in a CUDA graph; a batch is padded up to the next "
         "captured size (1, 2, 4, 8, then multiples of 8) and larger ones run eagerly.",
         default=32)
-    enable_torch_compile: bool = _doc(
+    enable_torch_compile: bool = option(
         "CPU: compile the decode step with torch.compile (Inductor C++ kernels) when the engine "
         "starts (~10-30 s; cached on disk); decode batches up to torch_compile_max_bs then run "
         "compiled, with fewer and fused kernels.", default=False)
-    torch_compile_max_bs: int = _doc(
+    torch_compile_max_bs: int = option(
         "Largest decode batch that runs compiled (enable_torch_compile); larger ones, and "
         "batches whose requests share a cached prefix (cascade attention), run eagerly (or "
         "through the fused decode step, which serves Llama-family models).",
         default=32)
-    disable_fused_decode: bool = _doc(
+    disable_fused_decode: bool = option(
         "CPU: run decode steps through the model's modules (eagerly, or compiled with "
         "enable_torch_compile) instead of ArborLM's fused C++ step, which otherwise serves "
         "Llama, Llama 3, Mistral and Qwen2 models on AVX-512 CPUs.", default=False)
-    num_continuous_decode_steps: int | None = _doc(
+    num_continuous_decode_steps: int | None = option(
         "CPU fused decode: run this many decode steps of an all-greedy batch in one C++ call "
         "(no scheduling between them; tokens then stream in groups, and a request arriving "
         "meanwhile waits for the group). Default: as many as fit in ~50 ms of decoding, up to "
         "8, while no request waits; 1 turns it off.", default=None)
-    enable_deterministic_inference: bool | None = _doc(
+    enable_deterministic_inference: bool | None = option(
         "Batch-invariant computation: a request's logits depend only on its own tokens, never on "
         "what runs beside it, chunk boundaries, the page size or prefix-cache hits (one kernel "
         "per op for every batch size; no cascade attention). Default: on in bfloat16 where "
@@ -99,40 +164,34 @@ class EngineArgs:
         "costs more) and elsewhere; --no-enable-deterministic-inference turns it off. See "
         "docs/determinism.md.",
         default=None)
-    random_seed: int = _doc("Seed for requests without a sampling_seed.", default=0)
-    grammar_backend: str = _doc("Grammar engine for json_schema / regex / ebnf / choices: "
-                                "xgrammar or outlines (a request may pick its own).",
-                                default="xgrammar")
-    grammar_any_whitespace: bool = _doc(
+    random_seed: int = option("Seed for requests without a sampling_seed.", default=0)
+    grammar_backend: str = option("Grammar engine for json_schema / regex / ebnf / choices (a "
+                                  "request may pick its own).",
+                                  default=GrammarBackendName.XGRAMMAR.value)
+    grammar_any_whitespace: bool = option(
         "Let constrained JSON use any whitespace between elements (each gap still at most 24 "
         "characters, so output cannot run away); default: fixed separators.", default=False)
-    grammar_compile_timeout: float = _doc(
+    grammar_compile_timeout: float = option(
         "Seconds a grammar may take to compile before its request fails with a 400.",
         default=30.0)
-    disable_jump_forward: bool = _doc(
+    disable_jump_forward: bool = option(
         "Decode tokens a grammar forces one step each instead of appending them at once.",
         default=False)
-    debug_integrity: bool = _doc("Check KV-pool and cache invariants whenever the engine idles.",
-                                 default=False)
+    debug_integrity: bool = option("Check KV-pool and cache invariants whenever the engine idles.",
+                                   default=False)
 
     def resolve(self) -> EngineConfig:
         from arborlm.runtime.models.builtin import resolve_model_path
 
         model_path = resolve_model_path(self.model_path)
         dtype = self.dtype
-        if dtype == "auto" and self.device == "cpu" and cpu_has_native_bf16():
-            dtype = "bfloat16"
+        if dtype == DType.AUTO and self.device == "cpu" and cpu_has_native_bf16():
+            dtype = DType.BFLOAT16.value
         model = ModelConfig.from_path(model_path, dtype, self.context_length)
-        backend = self.attention_backend
-        if backend == "auto":
+        backend = check_choice(AttentionBackend, self.attention_backend, "attention_backend")
+        if backend == AttentionBackend.AUTO:
             backend = _auto_attention_backend(self.device)
-        if backend not in ("torch_native", "triton", "flashinfer"):
-            raise InvalidRequestError(f"unknown attention_backend {backend!r}",
-                                      "attention_backend")
-        if self.schedule_policy not in ("fcfs", "lpm", "dfs-weight"):
-            raise InvalidRequestError(
-                f"schedule_policy must be fcfs, lpm or dfs-weight, got {self.schedule_policy!r}",
-                "schedule_policy")
+        check_choice(SchedulePolicy, self.schedule_policy, "schedule_policy")
         if self.page_size < 1:
             raise InvalidRequestError("page_size must be >= 1", "page_size")
         if self.cuda_graph_max_bs < 1:
@@ -142,10 +201,7 @@ class EngineArgs:
                                       "num_continuous_decode_steps")
         if self.torch_compile_max_bs < 1:
             raise InvalidRequestError("torch_compile_max_bs must be >= 1", "torch_compile_max_bs")
-        if self.grammar_backend not in GRAMMAR_BACKENDS:
-            raise InvalidRequestError(f"grammar_backend must be one of "
-                                      f"{', '.join(GRAMMAR_BACKENDS)}, got "
-                                      f"{self.grammar_backend!r}", "grammar_backend")
+        check_choice(GrammarBackendName, self.grammar_backend, "grammar_backend")
         if not self.grammar_compile_timeout > 0:
             raise InvalidRequestError("grammar_compile_timeout must be > 0 seconds",
                                       "grammar_compile_timeout")
@@ -212,10 +268,10 @@ def _auto_attention_backend(device: str) -> str:
         try:
             import flashinfer  # noqa: F401
 
-            return "flashinfer"
+            return AttentionBackend.FLASHINFER.value
         except ImportError:
-            return "triton"
-    return "torch_native"
+            return AttentionBackend.TRITON.value
+    return AttentionBackend.TORCH_NATIVE.value
 
 
 @dataclass(frozen=True)
@@ -312,12 +368,7 @@ def _read_hf_config(p: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
-    if dtype == "auto":
-        name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        if name not in DTYPES:
-            name = "float32"
-        return DTYPES[name]
-    if dtype not in DTYPES:
-        raise InvalidRequestError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}",
-                                  "dtype")
+    if check_choice(DType, dtype, "dtype") == DType.AUTO:
+        name = hf.get("torch_dtype") or hf.get("dtype") or DType.FLOAT32
+        return DTYPES.get(name, torch.float32)
     return DTYPES[dtype]

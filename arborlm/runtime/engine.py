@@ -18,11 +18,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime.config import EngineArgs
+from arborlm.runtime.config import EngineArgs, EngineMode, check_choice
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest
-
-MODES = ("inprocess", "multiprocess")
 
 
 def make_engine_args(model_path: str | None, options: dict[str, Any]) -> EngineArgs:
@@ -36,19 +34,17 @@ def make_engine_args(model_path: str | None, options: dict[str, Any]) -> EngineA
 def create_client(args: EngineArgs, mode: str, **options: Any) -> EngineClient:
     """The engine client for `mode`; `options` go to the multi-process client (its restart
     policy, see `MultiProcessClient`)."""
-    if mode == "inprocess":
+    if check_choice(EngineMode, mode, "mode") == EngineMode.INPROCESS:
         from arborlm.runtime.inprocess_client import InProcessClient
 
         return InProcessClient(args)
-    if mode == "multiprocess":
-        from arborlm.runtime.multiprocess_client import MultiProcessClient
+    from arborlm.runtime.multiprocess_client import MultiProcessClient
 
-        return MultiProcessClient(args, **options)
-    raise InvalidRequestError(f"mode must be one of {', '.join(MODES)}, got {mode!r}", "mode")
+    return MultiProcessClient(args, **options)
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, *, mode: str = "inprocess",
+    def __init__(self, model_path: str | None = None, *, mode: str = EngineMode.INPROCESS.value,
                  **options: Any):
         self.args = make_engine_args(model_path, options)
         self.mode = mode
@@ -120,7 +116,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """KV/cache invariants when idle (in-process: checked on the scheduler thread)."""
-        if self.mode == "inprocess":
+        if self.mode == EngineMode.INPROCESS:
             self.client.call(self.scheduler.check_integrity)  # type: ignore[attr-defined]
         else:
             info = self.get_server_info()

@@ -19,23 +19,39 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from arborlm.server.server_args import ENGINE_MODES, LOG_LEVELS, ServerArgs
+if TYPE_CHECKING:
+    from arborlm.server.server_args import ServerArgs
 
 logger = logging.getLogger("arborlm.server")
 
 # EngineArgs fields whose SGLang flag name differs from the field name.
 SGLANG_FLAG_NAMES = {"mem_fraction": "--mem-fraction-static"}
-_CHOICES = {"engine_mode": ENGINE_MODES, "log_level": LOG_LEVELS,
-            "schedule_policy": ("fcfs", "lpm", "dfs-weight"),
-            "attention_backend": ("auto", "torch_native", "triton", "flashinfer"),
-            "dtype": ("auto", "float32", "bfloat16", "float16")}
 _TYPES = {"int": int, "float": float, "str": str}
 ENGINE_FAILED_EXIT = 3  # the engine died and could not be started again
 
 
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Option name -> its allowed values, from the enums that declare them."""
+    from arborlm.runtime.config import (
+        AttentionBackend,
+        DType,
+        EngineMode,
+        GrammarBackendName,
+        SchedulePolicy,
+        choices,
+    )
+    from arborlm.server.server_args import LogLevel
+
+    kinds = {"engine_mode": EngineMode, "log_level": LogLevel, "dtype": DType,
+             "schedule_policy": SchedulePolicy, "attention_backend": AttentionBackend,
+             "grammar_backend": GrammarBackendName}
+    return {name: choices(kind) for name, kind in kinds.items()}
+
+
 def _add_fields(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
+    allowed = _choices()
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -53,11 +69,12 @@ def _add_fields(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
         if default is not None:
             help_text += f" (default: {default})"
         group.add_argument(flag, dest=f.name, type=_TYPES[kind], default=None,
-                           choices=_CHOICES.get(f.name), help=help_text)
+                           choices=allowed.get(f.name), help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from arborlm.runtime.config import EngineArgs
+    from arborlm.server.server_args import ServerArgs
 
     parser = argparse.ArgumentParser(
         prog="arborlm serve",
@@ -74,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> tuple[ServerArgs, Any]:
     from arborlm.runtime.config import EngineArgs
+    from arborlm.server.server_args import ServerArgs
 
     values = vars(build_parser().parse_args(argv))
 
@@ -94,6 +112,7 @@ def serve_main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     from arborlm.errors import InvalidRequestError, ModelLoadError
+    from arborlm.runtime.config import EngineMode
     from arborlm.runtime.engine import create_client
 
     logger.info("loading %s (engine: %s)",
@@ -101,7 +120,7 @@ def serve_main(argv: list[str]) -> int:
                 server_args.engine_mode)
     engine_failed = threading.Event()
     options = {}
-    if server_args.engine_mode == "multiprocess":
+    if server_args.engine_mode == EngineMode.MULTIPROCESS:
         from arborlm.runtime.multiprocess_client import RestartPolicy
 
         options = {"restart": RestartPolicy(attempts=server_args.engine_restart_attempts),
