@@ -1,11 +1,12 @@
 """The detokenizer process: the scheduler's token ids → text, between the scheduler and the API.
 
 `DetokenizerService(tokenizer_path, addrs)` (entry
-`"arborlm.runtime.detokenizer_process:DetokenizerService"`) keeps one `IncrementalDetokenizer`
-per request: created from the `DecodeOptions` in the request's first `BatchTokenOutput` entry,
-dropped with the entry that carries its finish reason. It turns each `BatchTokenOutput` into one
-`BatchTextOutput` holding cumulative text (stop strings trimmed, incomplete UTF-8 held back, a
-`stop_regex` match cut at the end), the new ids, and logprob entries with their token text when
+`"arborlm.runtime.detokenizer_process:DetokenizerService"`) keeps one `RequestText` per
+request (the text stage the in-process `ResponseBuilder` runs too): created from the
+`DecodeOptions` in the request's first `BatchTokenOutput` entry, dropped with the entry that
+carries its finish reason. It turns each `BatchTokenOutput` into one `BatchTextOutput` holding
+cumulative text (stop strings trimmed, incomplete UTF-8 held back, a `stop_regex` match cut at
+the end), the new ids, and logprob entries with their token text when
 `return_text_in_logprobs`. Streaming requests get an entry per scheduler report (that is what
 makes the stream's chunks); the others get one entry when they finish, holding all their ids
 and logprobs, so the API process handles one message per request.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from arborlm.runtime.detokenizer import IncrementalDetokenizer
 from arborlm.runtime.ipc import IpcAddresses
 from arborlm.runtime.messages import (
     BatchTextOutput,
@@ -33,7 +33,7 @@ from arborlm.runtime.messages import (
     ShutdownReq,
 )
 from arborlm.runtime.process_utils import StopFlag
-from arborlm.runtime.stop_matcher import finish_text
+from arborlm.runtime.request_text import RequestText
 from arborlm.runtime.tokenizer_utils import load_tokenizer
 from arborlm.runtime.zmq_queues import PullQueue, PushQueue, terminate_context
 
@@ -46,17 +46,12 @@ _NESTED = ("output_top_logprobs", "output_token_ids_logprobs", "input_top_logpro
            "input_token_ids_logprobs")
 
 
-class _RequestText:
-    """One request's detokenizer plus what it has not sent yet."""
+class _RequestState:
+    """One request's text stage plus what it has not sent yet."""
 
     def __init__(self, tokenizer: Any, opts: DecodeOptions):
         self.opts = opts
-        self.detok = IncrementalDetokenizer(
-            tokenizer, prompt_ids=opts.prompt_tail_ids,
-            skip_special_tokens=opts.skip_special_tokens,
-            spaces_between_special_tokens=opts.spaces_between_special_tokens,
-            stop=opts.stop, no_stop_trim=opts.no_stop_trim)
-        self.text = ""
+        self.stage = RequestText(tokenizer, opts)
         self.unsent_ids: list[int] = []
         self.unsent_logprobs: LogprobChunk | None = None
 
@@ -69,15 +64,7 @@ class _RequestText:
             else:
                 for name in _FLAT + _NESTED:
                     getattr(self.unsent_logprobs, name).extend(getattr(lp, name))
-        if reason is None:
-            self.detok.add(ids)
-            self.text = self.detok.text
-        else:
-            o = self.opts
-            self.text = finish_text(
-                self.detok, ids, reason, stop=o.stop, stop_regex=o.stop_regex,
-                no_stop_trim=o.no_stop_trim, min_new_tokens=o.min_new_tokens,
-                completion_tokens=completion_tokens)
+        self.stage.add(ids, reason, completion_tokens)
 
     def take(self) -> tuple[list[int], LogprobChunk | None]:
         ids, lp = self.unsent_ids, self.unsent_logprobs
@@ -85,20 +72,20 @@ class _RequestText:
         return ids, lp
 
 
-def _text_batch(batch: BatchTokenOutput, sent: list[tuple[int, _RequestText]]
+def _text_batch(batch: BatchTokenOutput, sent: list[tuple[int, _RequestState]]
                 ) -> BatchTextOutput:
     """Entries `i` of `batch` with each request's text and what it had not sent yet."""
     unsent = [req.take() for _, req in sent]
     jump = [batch.jump_forward_steps[i] if batch.jump_forward_steps else 0 for i, _ in sent]
     return BatchTextOutput(
-        rids=[batch.rids[i] for i, _ in sent], texts=[req.text for _, req in sent],
+        rids=[batch.rids[i] for i, _ in sent], texts=[req.stage.text for _, req in sent],
         output_ids=[ids for ids, _ in unsent],
         finished_reasons=[batch.finished_reasons[i] for i, _ in sent],
         prompt_tokens=[batch.prompt_tokens[i] for i, _ in sent],
         completion_tokens=[batch.completion_tokens[i] for i, _ in sent],
         cached_tokens=[batch.cached_tokens[i] for i, _ in sent],
         logprobs=[lp for _, lp in unsent],
-        matched_stops=[req.detok.matched_stop for _, req in sent],
+        matched_stops=[req.stage.matched_stop for _, req in sent],
         jump_forward_steps=jump if any(jump) else [])
 
 
@@ -107,7 +94,7 @@ class DetokenizerService:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.recv = PullQueue(addrs.scheduler_to_detokenizer, bind=True)
         self.send = PushQueue(addrs.detokenizer_to_tokenizer, bind=False)
-        self.requests: dict[str, _RequestText] = {}
+        self.requests: dict[str, _RequestState] = {}
         self.failed: set[str] = set()  # failed here; the scheduler's later reports are dropped
         self._token_texts: dict[int, str] = {}
 
@@ -143,7 +130,7 @@ class DetokenizerService:
 
     def _detokenize(self, batch: BatchTokenOutput) -> BatchTextOutput:
         """Text for the streaming requests of `batch` and for those it finishes."""
-        sent: list[tuple[int, _RequestText]] = []
+        sent: list[tuple[int, _RequestState]] = []
         for i, rid in enumerate(batch.rids):
             reason = batch.finished_reasons[i]
             try:
@@ -164,9 +151,9 @@ class DetokenizerService:
 
     def _update(self, rid: str, opts: DecodeOptions | None, ids: list[int],
                 reason: dict[str, Any] | None, lp: LogprobChunk | None,
-                completion_tokens: int) -> _RequestText | None:
+                completion_tokens: int) -> _RequestState | None:
         if opts is not None:
-            self.requests[rid] = _RequestText(self.tokenizer, opts)
+            self.requests[rid] = _RequestState(self.tokenizer, opts)
         req = self.requests.get(rid)
         if req is None:
             if rid not in self.failed:

@@ -2,13 +2,13 @@
 
 Callers (any thread, any event loop) tokenize and validate in their own thread (and await their
 grammars' compiles, so a bad grammar raises `GrammarError` like other invalid input), then hand
-the requests to the scheduler thread through a command queue. The scheduler thread steps while it
-has work and blocks on the queue when idle; each step's reports go to per-request
-`ResponseBuilder`s and from there, as events, to the waiting caller's asyncio queue
-(`call_soon_threadsafe`); a builder that raises ends its own request with an abort (500), the
-others go on. Torch releases the GIL inside its kernels, so callers stay responsive
-while the model runs. Concurrent callers are batched together, which is what makes the DSL's
-parallel programs fast in-process.
+the requests to the scheduler thread through a command queue. The scheduler thread runs
+`drive_scheduler` (the scheduler process's loop too): it steps while there is work and blocks on
+the queue when idle; each step's reports go to per-request `ResponseBuilder`s and from there,
+as events, to the waiting caller's asyncio queue (`call_soon_threadsafe`); a builder that
+raises ends its own request with an abort (500), the others go on. Torch releases the GIL
+inside its kernels, so callers stay responsive while the model runs. Concurrent callers are
+batched together, which is what makes the DSL's parallel programs fast in-process.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Any
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest, SingleRequest, prepare_request
-from arborlm.runtime.request import FinishReason, Req
-from arborlm.runtime.response import ResponseBuilder
+from arborlm.runtime.request import Req
+from arborlm.runtime.response import ResponseBuilder, abort_event
 from arborlm.runtime.scheduler.scheduler import Scheduler
+from arborlm.runtime.scheduler_loop import drive_scheduler
 from arborlm.runtime.tokenizer_utils import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ class _Sink:
 
     index: int
     builder: ResponseBuilder
-    stream: bool
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
@@ -85,7 +85,7 @@ class InProcessClient(EngineClient):
         await self._compile_grammars(prepared)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        sinks = [_Sink(i, ResponseBuilder(s, self.tokenizer, ids), s.stream, loop, events)
+        sinks = [_Sink(i, ResponseBuilder(s, self.tokenizer, ids), loop, events)
                  for i, (s, ids) in enumerate(prepared)]
         reqs = [self._make_req(s, ids) for s, ids in prepared]
         self._call(lambda: self._add(reqs, sinks))
@@ -172,7 +172,7 @@ class InProcessClient(EngineClient):
     def _add(self, reqs: list[Req], sinks: list[_Sink]) -> None:
         for req, sink in zip(reqs, sinks):
             if req.rid in self._sinks:
-                sink.push((sink.index, _abort_event(sink, f"duplicate request id {req.rid!r}")))
+                sink.push((sink.index, abort_event(req.rid, f"duplicate request id {req.rid!r}")))
                 continue
             self._sinks[req.rid] = sink
             self.scheduler.add_request(req)
@@ -192,26 +192,28 @@ class InProcessClient(EngineClient):
 
     def _loop(self) -> None:
         try:
-            while not self._stopped.is_set():
-                block = self.scheduler.is_idle
-                try:
-                    cmd = self._commands.get(block=block, timeout=None if block else 0)
-                    cmd()
-                    while True:
-                        self._commands.get_nowait()()
-                except queue.Empty:
-                    pass
-                if self._stopped.is_set():
-                    break
-                self._dispatch(self.scheduler.step())
-                if self.args.debug_integrity and self.scheduler.is_idle:
-                    self.scheduler.check_integrity()
+            drive_scheduler(self.scheduler, receive=self._run_commands, emit=self._dispatch,
+                            stopped=self._stopped.is_set,
+                            debug_integrity=self.args.debug_integrity)
         except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("scheduler thread died")
             self._error = e
             for sink in self._sinks.values():
                 sink.push((sink.index, RuntimeError(f"the engine's scheduler failed: {e!r}")))
             self._sinks.clear()
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run the queued commands (waiting for the first while `block`); False: none came."""
+        try:
+            self._commands.get(block=block, timeout=None if block else 0)()
+        except queue.Empty:
+            return False
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            cmd()
 
     def _dispatch(self, outputs: list) -> None:
         for out in outputs:
@@ -225,17 +227,10 @@ class InProcessClient(EngineClient):
                 del self._sinks[out.rid]
                 if out.finished_reason is None:
                     self.scheduler.abort(out.rid)
-                sink.push((sink.index, _abort_event(sink, f"detokenizer failed: {e!r}", 500)))
+                sink.push((sink.index, abort_event(out.rid, f"detokenizer failed: {e!r}", 500)))
                 continue
             if sink.builder.finished:
                 del self._sinks[out.rid]
-            if sink.stream:
-                sink.push((sink.index, sink.builder.chunk()))
-            elif sink.builder.finished:
-                sink.push((sink.index, sink.builder.result()))
-
-
-def _abort_event(sink: _Sink, message: str, status: int = 400) -> dict[str, Any]:
-    reason = FinishReason.abort(message, status).to_json()
-    return {"text": "", "output_ids": [], "meta_info": {"id": sink.builder.req.rid,
-                                                       "finish_reason": reason}}
+            event = sink.builder.event()
+            if event is not None:
+                sink.push((sink.index, event))

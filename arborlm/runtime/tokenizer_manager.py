@@ -4,9 +4,9 @@ Callers (coroutines on any event loop, in any thread) hand it a `GenerateRequest
 normalizes, tokenizes and validates it exactly as the in-process client does (same checks, same
 per-request seeds drawn from `random_seed`), sends its sequences to the scheduler process in one
 message (so they are queued together, as in-process), and yields the sequences' events as the
-detokenizer's `BatchTextOutput`s come back. The events are the same native-API JSON that
-`ResponseBuilder` builds in-process (streaming chunks with cumulative text and only-new logprob
-entries, then the final object), so both engine modes answer alike.
+detokenizer's `BatchTextOutput`s come back. Each sequence's events come from the same
+`ResponseBuilder` the in-process client uses, fed the detokenizer's text (`add_text`), so both
+engine modes answer alike.
 
 A receiver thread owns the socket from the detokenizer and routes each entry to its request's
 asyncio queue (`call_soon_threadsafe`, one call per event loop per message); control replies
@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import random
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -49,12 +48,12 @@ from arborlm.runtime.messages import (
     GetServerInfoReq,
     HealthCheckReq,
     HealthCheckResp,
-    LogprobChunk,
     Message,
     ServerInfoResp,
     ShutdownReq,
     TokenizedGenerateReq,
 )
+from arborlm.runtime.response import ResponseBuilder, abort_event
 from arborlm.runtime.zmq_queues import PullQueue, PushQueue
 
 if TYPE_CHECKING:
@@ -63,50 +62,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RECV_POLL_S = 0.2  # the receiver thread rechecks its stop flag this often
-# Same keys, same order as `ResponseBuilder`'s (the JSON must not depend on the engine mode).
-LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
-                "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
-_NESTED = {"input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
-           "output_token_ids_logprobs"}
 
 
 class _Sequence:
-    """One generated sequence as its caller sees it: state and native-API events."""
+    """One generated sequence as its caller sees it: its `ResponseBuilder` (fed the detokenizer
+    process's entries) and where its events go."""
 
-    def __init__(self, index: int, single: SingleRequest, prompt_len: int,
+    def __init__(self, index: int, single: SingleRequest, prompt_ids: list[int],
                  loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
         self.index = index
         self.single = single
         self.rid = single.rid
         self.loop = loop
         self.queue = queue
-        self.start = time.monotonic()
-        self.output_ids: list[int] = []
-        self.text = ""
-        self.meta: dict[str, Any] = {"id": single.rid, "finish_reason": None,
-                                     "prompt_tokens": prompt_len, "completion_tokens": 0,
-                                     "cached_tokens": 0}
-        self.logprobs: dict[str, list] = {k: [] for k in LOGPROB_KEYS}
-        self._sent = {k: 0 for k in LOGPROB_KEYS}
-        self.finished = False
+        self.builder = ResponseBuilder(single, None, prompt_ids)
         self.detached = False  # the caller stopped listening; events are dropped
         self.delivered = False  # an event of this sequence has reached its caller
         self.error_param: str | None = None  # the field a refusal names (`fail`)
 
+    @property
+    def finished(self) -> bool:
+        return self.builder.finished
+
     def add(self, out: BatchTextOutput, i: int) -> dict[str, Any] | None:
         """Apply entry `i` of `out`; return the event to deliver (None: nothing to say yet)."""
-        self.output_ids.extend(out.output_ids[i])
-        self.text = out.texts[i]
-        self.meta.update(completion_tokens=out.completion_tokens[i],
-                         cached_tokens=out.cached_tokens[i], prompt_tokens=out.prompt_tokens[i])
-        if out.jump_forward_steps and out.jump_forward_steps[i]:
-            self.meta["jump_forward_steps"] = out.jump_forward_steps[i]
-        lp = out.logprobs[i]
-        if self.single.return_logprob and lp is not None:
-            self._add_logprobs(lp)
-        if out.finished_reasons[i] is not None:
-            self._finish(out.finished_reasons[i])
-        return self.event()
+        self.builder.add_text(out, i)
+        return self.builder.event()
 
     def item(self, event: dict[str, Any]) -> tuple[int, dict[str, Any]] | InvalidRequestError:
         """What the caller's queue gets for `event`: (index, event), or the error to raise when
@@ -114,7 +95,7 @@ class _Sequence:
         that does not compile, an invalid request) — the in-process client raises those before
         queueing the request."""
         reason = event["meta_info"]["finish_reason"]
-        if not self.delivered and not self.output_ids and reason is not None \
+        if not self.delivered and not self.builder.output_ids and reason is not None \
                 and reason["type"] == "abort" and reason.get("status_code") == 400:
             grammar = self.single.sampling_params.grammar
             if grammar is not None:
@@ -126,47 +107,12 @@ class _Sequence:
     def fail(self, message: str, status_code: int,
              param: str | None = None) -> dict[str, Any] | None:
         self.error_param = param
-        self._finish({"type": "abort", "message": message, "status_code": status_code})
-        return self.event()
-
-    def _add_logprobs(self, lp: LogprobChunk) -> None:
-        for key in LOGPROB_KEYS:
-            rows = getattr(lp, key)
-            if key in _NESTED:
-                self.logprobs[key].extend(None if r is None else [list(e) for e in r]
-                                          for r in rows)
-            else:
-                self.logprobs[key].extend(list(e) for e in rows)
-
-    def _finish(self, reason: dict[str, Any]) -> None:
-        self.finished = True
-        self.meta["finish_reason"] = reason
-        self.meta["e2e_latency"] = round(time.monotonic() - self.start, 6)
-
-    def event(self) -> dict[str, Any] | None:
-        """A chunk when streaming (new logprob entries only), else the final object once done."""
-        if not self.single.stream and not self.finished:
-            return None
-        meta = dict(self.meta)
-        if self.single.return_logprob:
-            for k, v in self.logprobs.items():
-                if self.single.stream:
-                    meta[k] = v[self._sent[k]:]
-                    self._sent[k] = len(v)
-                else:
-                    meta[k] = list(v)
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        return self.builder.fail(message, status_code)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
-
-
-def _duplicate_event(rid: str) -> dict[str, Any]:
-    """The in-process client's answer to a request id that is already in flight."""
-    reason = {"type": "abort", "message": f"duplicate request id {rid!r}", "status_code": 400}
-    return {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}}
 
 
 class TokenizerManager:
@@ -212,7 +158,7 @@ class TokenizerManager:
         """`generate` for sequences already tokenized and validated by `prepare`."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        seqs = [_Sequence(i, s, len(ids), loop, events) for i, (s, ids) in enumerate(prepared)]
+        seqs = [_Sequence(i, s, ids, loop, events) for i, (s, ids) in enumerate(prepared)]
         msgs = [self._tokenized(s, ids) for s, ids in prepared]
         self._submit(seqs, msgs)
         pending = len(seqs)
@@ -249,9 +195,9 @@ class TokenizerManager:
         with self._lock:
             self.check_alive()
             for seq, msg in zip(seqs, msgs):
-                if seq.rid in self._seqs:
-                    seq.finished = True
-                    seq.queue.put_nowait((seq.index, _duplicate_event(seq.rid)))
+                if seq.rid in self._seqs:  # answered as the in-process client answers it
+                    seq.queue.put_nowait(
+                        (seq.index, abort_event(seq.rid, f"duplicate request id {seq.rid!r}")))
                     continue
                 self._seqs[seq.rid] = seq
                 batch.append(msg)
