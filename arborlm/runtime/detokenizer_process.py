@@ -34,6 +34,7 @@ from arborlm.runtime.messages import (
 )
 from arborlm.runtime.process_utils import StopFlag
 from arborlm.runtime.request_text import RequestText
+from arborlm.runtime.response import LOGPROB_KEYS, NESTED_LOGPROB_KEYS
 from arborlm.runtime.tokenizer_utils import load_tokenizer
 from arborlm.runtime.zmq_queues import PullQueue, PushQueue, terminate_context
 
@@ -41,9 +42,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 1.0  # longest wait for a message before the loop rechecks its stop flag
 CLOSE_LINGER_S = 1.0
-_FLAT = ("output_token_logprobs", "input_token_logprobs")
-_NESTED = ("output_top_logprobs", "output_token_ids_logprobs", "input_top_logprobs",
-           "input_token_ids_logprobs")
 
 
 class _RequestState:
@@ -62,7 +60,7 @@ class _RequestState:
             if self.unsent_logprobs is None:
                 self.unsent_logprobs = lp
             else:
-                for name in _FLAT + _NESTED:
+                for name in LOGPROB_KEYS:
                     getattr(self.unsent_logprobs, name).extend(getattr(lp, name))
         self.stage.add(ids, reason, completion_tokens)
 
@@ -176,7 +174,7 @@ class DetokenizerService:
         def entries(row: list) -> list:
             return [(v, t, self._token_text(t)) for v, t, _ in row]
 
-        flat = {name: entries(getattr(lp, name)) for name in _FLAT}
-        nested = {name: [None if row is None else entries(row) for row in getattr(lp, name)]
-                  for name in _NESTED}
-        return LogprobChunk(**flat, **nested)
+        return LogprobChunk(**{
+            name: [None if row is None else entries(row) for row in getattr(lp, name)]
+            if name in NESTED_LOGPROB_KEYS else entries(getattr(lp, name))
+            for name in LOGPROB_KEYS})

@@ -33,12 +33,12 @@ if TYPE_CHECKING:
     from arborlm.runtime.messages import BatchTextOutput, LogprobChunk
     from arborlm.runtime.scheduler.outputs import ReqOutput
 
-# The logprob lists of `meta_info`, in the order they appear there.
+# The logprob lists of `meta_info`, in the order they appear there (also `LogprobChunk`'s
+# fields), and those of them holding one row of entries per position (None where none).
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
                 "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
-# Those holding one row of entries per position (None where a position has none).
-_NESTED = frozenset({"input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
-                     "output_token_ids_logprobs"})
+NESTED_LOGPROB_KEYS = frozenset({"input_top_logprobs", "output_top_logprobs",
+                                 "input_token_ids_logprobs", "output_token_ids_logprobs"})
 
 
 def abort_reason(message: str, status_code: int) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def _as_lists(lp: LogprobChunk) -> dict[str, list]:
     new: dict[str, list] = {}
     for key in LOGPROB_KEYS:
         rows = getattr(lp, key)
-        if key in _NESTED:
+        if key in NESTED_LOGPROB_KEYS:
             new[key] = [None if r is None else [list(e) for e in r] for r in rows]
         else:
             new[key] = [list(e) for e in rows]
