@@ -2,8 +2,9 @@
 it replaces, on the benchmark models of `cpu_vs_llamacpp.py`, at batch 1 and with 32 requests
 decoding together (32-token prompts), in one run.
 
-One engine per (model, dtype) with `enable_torch_compile` holds both: rounds alternate between
-them (the step's `fused` runner on, then off), each timing decode alone as
+One engine per (model, dtype) with `enable_torch_compile` (whose decode executor is the fused
+step) and a compiled executor built beside it from the same parts: rounds alternate between
+them (the runner's `decode` executor swapped), each timing decode alone as
 `new / (time of 1 + new tokens - time of 1 token)`. Prints both medians in ms per step and the
 median of the per-round graph/fused ratios (above 1: the fused step is faster).
 
@@ -44,20 +45,25 @@ def ms_per_step(engine, prompts: list[list[int]], new: int) -> float:
 
 def compare(path: Path, dtype: str, rounds: int, new: int, batch: int) -> tuple | None:
     from arborlm import Engine
+    from arborlm.runtime.platforms.cpu.compiled_decode import CompiledDecodeRunner
+    from arborlm.runtime.platforms.cpu.fused_decode import FusedDecodeStep
 
     engine = Engine(str(path), dtype=dtype, max_total_tokens=4096, enable_torch_compile=True)
     try:
-        compiled = engine.scheduler.runner.compiled
-        fused = compiled.fused if compiled is not None else None
-        if fused is None:
+        runner = engine.scheduler.runner
+        fused = runner.decode
+        if not isinstance(fused, FusedDecodeStep):
             return None
+        args = runner.config.args
+        executors = {"fused": fused, "graph": CompiledDecodeRunner(
+            runner.decode_parts, min(args.torch_compile_max_bs, args.max_running_requests))}
         prompts = random_prompts(batch, 32, 32, 8192, seed=1, avoid=SPECIALS)
         times: dict[str, list[float]] = {"fused": [], "graph": []}
         for _ in range(rounds):
             for name in times:
-                compiled.fused = fused if name == "fused" else None
+                runner.decode = executors[name]
                 times[name].append(ms_per_step(engine, prompts, new))
-        compiled.fused = fused
+        runner.decode = fused
     finally:
         engine.shutdown()
     ratio = statistics.median(g / f for f, g in zip(times["fused"], times["graph"]))

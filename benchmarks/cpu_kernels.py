@@ -50,7 +50,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
-from arborlm.runtime.layers import cpu_kernels, cpu_linear, huge_pages  # noqa: E402
+from arborlm.runtime.platforms.cpu import huge_pages  # noqa: E402
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels  # noqa: E402
+from arborlm.runtime.platforms.cpu import linear as cpu_linear  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 512, 1408, 8, 8192, 8, 4, 64
 LINEARS = [(3 * HIDDEN // 2 + HIDDEN // 2, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN),

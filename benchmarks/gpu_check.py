@@ -115,7 +115,9 @@ def _engine(path: Path, backend: str, dtype: str, graphs: bool | None = None):
     options = {} if graphs is None else {"disable_cuda_graph": not graphs}
     engine = Engine(str(path), attention_backend=backend, device="cuda", dtype=dtype,
                     max_total_tokens=32768, **options)
-    if graphs and engine.scheduler.runner.graph_runner is None:
+    from arborlm.runtime.platforms.cuda.graph_runner import CudaGraphRunner
+
+    if graphs and not isinstance(engine.scheduler.runner.decode, CudaGraphRunner):
         engine.shutdown()
         raise RuntimeError("CUDA graphs were not captured (see the log for why)")
     return engine
@@ -160,7 +162,8 @@ def greedy_equality(reference: list[list[int]], got: list[list[int]],
 def _attention_case(backend_name: str, bsz: int, ctx: int, new: int, decode: bool):
     """A one-layer batch with contiguous slots: `bsz` requests of `ctx` tokens, `new` of them
     new. Returns (backend, q, layer, batch)."""
-    from arborlm.runtime.attention.base import AttentionLayerSpec, create_attention_backend
+    from arborlm.runtime.attention import create_attention_backend
+    from arborlm.runtime.attention.base import AttentionLayerSpec
     from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
     from arborlm.runtime.memory_pool import KVPool, ReqToTokenPool
 

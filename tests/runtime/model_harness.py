@@ -1,7 +1,8 @@
 """Drive a model through EXTEND and DECODE steps without the scheduler.
 
 `ModelHarness` owns a small `ReqToTokenPool`, `KVPool` and `PagedAllocator` and the
-`torch_native` attention backend, builds `ForwardBatch` objects by hand and returns logits.
+`torch_native` attention backend (on a CPU, the CPU backend that serves its name), builds
+`ForwardBatch` objects by hand and returns logits.
 Tests use it to check the model against `transformers` step by step (prefill, chunked extend,
 decode, mixed batches). It does no scheduling, caching or sampling.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from arborlm.runtime.attention.torch_native import TorchNativeBackend
+from arborlm.runtime.attention import create_attention_backend
 from arborlm.runtime.config import ModelConfig
 from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
@@ -27,7 +28,7 @@ class ModelHarness:
         self.kv_pool = KVPool(num_slots, config.num_layers, config.num_kv_heads,
                               config.head_dim, config.dtype)
         self.allocator = PagedAllocator(num_slots, page_size=1)
-        self.backend = TorchNativeBackend()
+        self.backend = create_attention_backend("torch_native", "cpu")
         self.seq_lens: dict[int, int] = {}
 
     def new_request(self) -> int:

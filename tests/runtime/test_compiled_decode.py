@@ -18,10 +18,10 @@ import torch
 
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime import compiled_decode
-from arborlm.runtime.attention import torch_native
 from arborlm.runtime.config import EngineArgs
-from arborlm.runtime.layers import cpu_kernels, cpu_linear
+from arborlm.runtime.platforms.cpu import cascade, compiled_decode, fused_decode
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu import linear as cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 
@@ -36,23 +36,25 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch, atte
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 10_000)  # gate_up and lm_head
     path = str(make_tiny_model("qwen2"))
     # One decode step per call: the test counts the steps that go through `forward`.
+    # The fused C++ step off: it would take these steps instead of the graph (test_fused_decode).
     engine = Engine(path, dtype="float32", enable_torch_compile=True, torch_compile_max_bs=2,
-                    num_continuous_decode_steps=1, debug_integrity=True)
+                    num_continuous_decode_steps=1, debug_integrity=True,
+                    disable_fused_decode=True)
     kinds = [type(m) for m in engine.scheduler.runner.model.modules()]
     assert kinds.count(cpu_linear.PackedLinear) == 2 * 1 + 1
     assert kinds.count(cpu_linear.RowLinear) == 2 * 3
-    compiled = engine.scheduler.runner.compiled
-    assert compiled is not None
+    compiled = engine.scheduler.runner.decode
+    assert isinstance(compiled, compiled_decode.CompiledDecodeRunner)
     assert compiled.attention.kernel == (attention == "kernel")
     assert set(compiled._direct) == {1, 2}  # both graphs are called without Dynamo's guards
     sizes: list[int] = []
-    forward = compiled.forward
+    run = compiled.run
 
     def recording(batch):
         sizes.append(batch.batch_size)
-        return forward(batch)
+        return run(batch)
 
-    monkeypatch.setattr(compiled, "forward", recording)
+    monkeypatch.setattr(compiled, "run", recording)
     prompts = [[(13 * i + j) % 400 + 6 for i in range(7 + 11 * j)] for j in range(3)]
     params = [dict(GREEDY, max_new_tokens=n) for n in (16, 6, 11)]  # the batch shrinks 3, 2, 1
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -69,15 +71,15 @@ def test_compiled_decode_matches_transformers(make_tiny_model, monkeypatch, atte
     assert (len(sizes) > steps) == (attention == "kernel")
     assert long["output_ids"] == hf_greedy(path, prompts[2], GREEDY["max_new_tokens"])
     # Two requests on one cached prefix: the traced graph would read the prefix once per
-    # request, so they decode eagerly (cascade reads it once); the fused step (with the
-    # kernels) has cascade attention of its own and takes them.
-    monkeypatch.setattr(torch_native, "CASCADE_MIN_PREFIX", 8)
+    # request, so they decode eagerly (cascade reads it once); the fused step has cascade
+    # attention of its own and takes them (test_fused_decode.py).
+    monkeypatch.setattr(cascade, "CASCADE_MIN_PREFIX", 8)
     shared = prompts[1][:12]
     engine.generate(input_ids=shared, sampling_params=dict(GREEDY, max_new_tokens=1))
     steps = len(sizes)
     pair = [shared + [7, 8], shared + [9]]
     outs = engine.generate(input_ids=pair, sampling_params=GREEDY)
-    assert (2 in sizes[steps:]) == (compiled.fused is not None)
+    assert 2 not in sizes[steps:]
     for prompt, out in zip(pair, outs):
         assert out["output_ids"] == hf_greedy(path, prompt, GREEDY["max_new_tokens"])
     engine.check_integrity()
@@ -135,10 +137,11 @@ def test_steps_go_through_dynamo_when_no_code_was_caught(make_tiny_model, monkey
 
     monkeypatch.setattr(compiled_decode, "register_bytecode_hook", lambda hook: NoHook())
     # Batch 1 would otherwise take the fused C++ step (test_fused_decode.py), not a graph.
-    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "of", classmethod(lambda cls, r: None))
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "of",
+                        classmethod(lambda cls, parts, max_bs: None))
     path = str(make_tiny_model("llama"))
     engine = Engine(path, dtype="float32", enable_torch_compile=True)
-    compiled = engine.scheduler.runner.compiled
+    compiled = engine.scheduler.runner.decode
     assert compiled._direct == {}
     calls = []
     step = compiled.step

@@ -17,9 +17,10 @@ import torch
 
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime import compiled_decode
 from arborlm.runtime.config import EngineArgs
-from arborlm.runtime.layers import cpu_kernels, cpu_linear
+from arborlm.runtime.platforms.cpu import fused_decode
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu import linear as cpu_linear
 from tests.runtime.engine_helpers import GREEDY, DirectScheduler, hf_greedy
 
 # These tests follow the kernels that run without deterministic inference (the causal
@@ -38,8 +39,8 @@ NEW = [14, 5, 23, 9]
 def _runs(monkeypatch) -> list[tuple[int, int, bool]]:
     """(steps, batch size, with cascade groups) of every `run_ahead` call from now on."""
     runs: list[tuple[int, int, bool]] = []
-    run_ahead = compiled_decode.FusedDecodeStep.run_ahead
-    cascade_inputs = compiled_decode.cascade_inputs
+    run_ahead = fused_decode.FusedDecodeStep.run_ahead
+    cascade_inputs = fused_decode.cascade_inputs
     grouped: list[bool] = []
 
     def spy_cascade(batch, ahead=0):
@@ -52,8 +53,8 @@ def _runs(monkeypatch) -> list[tuple[int, int, bool]]:
         runs.append((slots.shape[0], batch.batch_size, grouped[-1]))
         return out
 
-    monkeypatch.setattr(compiled_decode, "cascade_inputs", spy_cascade)
-    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "run_ahead", spy)
+    monkeypatch.setattr(fused_decode, "cascade_inputs", spy_cascade)
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "run_ahead", spy)
     return runs
 
 
@@ -184,14 +185,15 @@ def test_a_pool_too_small_for_the_steps_ahead_falls_back_to_single_steps(make_ti
     step itself finds none); the tokens are transformers'."""
     from arborlm.runtime.request import Req
     from arborlm.runtime.sampling_params import SamplingParams
-    from arborlm.runtime.scheduler.scheduler import Scheduler
+    from arborlm.runtime.scheduler.decode import DecodeScheduler
 
     path = str(make_tiny_model("llama"))
     runs = _runs(monkeypatch)
     asked: list[int] = []
-    steps_ahead = Scheduler._steps_ahead
-    monkeypatch.setattr(Scheduler, "_steps_ahead",
-                        lambda self, batch: asked.append(steps_ahead(self, batch)) or asked[-1])
+    steps_ahead = DecodeScheduler.steps_ahead
+    monkeypatch.setattr(DecodeScheduler, "steps_ahead",
+                        lambda self, batch, **kw: asked.append(steps_ahead(self, batch, **kw))
+                        or asked[-1])
     prompts = [[(11 * i) % 300 + 6 for i in range(40)], [(7 * i) % 250 + 9 for i in range(40)]]
     ds = DirectScheduler(path, num_continuous_decode_steps=8, max_total_tokens=100,
                          disable_radix_cache=True)

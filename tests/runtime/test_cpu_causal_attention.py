@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from arborlm import Engine
-from arborlm.runtime.attention import torch_native
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.platforms.cpu import attention as cpu_attention
+from arborlm.runtime.platforms.cpu import capabilities
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 # These tests follow the kernels that run without deterministic inference (the causal
@@ -38,7 +39,7 @@ SHAPES = [(1, 1, 1, 1, 16), (5, 5, 4, 2, 16), (13, 13, 2, 2, 32), (49, 49, 2, 1,
 
 @pytest.fixture(autouse=True)
 def kernels_or_skip():
-    if not cpu_kernels.cpu_supports(torch.float32):
+    if not capabilities.kernel_instructions(torch.float32):
         pytest.skip("this CPU lacks AVX-512, which causal_attention needs")
     assert cpu_kernels.attention_available(torch.float32), "the CPU supports it but no build"
 
@@ -189,14 +190,14 @@ def test_extends_run_through_the_kernel(make_tiny_model, monkeypatch, dtype):
     assert calls.count((3, 73)) == layers, "the extend on its prefix did not use the kernel"
 
     # The same requests through SDPA (the extend's mask then built where the kernel declines).
-    extend_metadata = torch_native.TorchNativeBackend._extend_metadata
+    extend_metadata = cpu_attention.CpuAttentionBackend._extend_metadata
 
     def without_kernel(self, batch):
         meta = extend_metadata(self, batch)
         meta.kernel = False
         return meta
 
-    monkeypatch.setattr(torch_native.TorchNativeBackend, "_extend_metadata", without_kernel)
+    monkeypatch.setattr(cpu_attention.CpuAttentionBackend, "_extend_metadata", without_kernel)
     calls.clear()
     engine = Engine(path, dtype=dtype, **NOT_DETERMINISTIC)
     sdpa = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.platforms.cpu import capabilities
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (KV heads, requests, query heads per KV head, head dim, keys W)
@@ -29,7 +30,7 @@ SHAPES = [(4, 3, 2, 64, 37), (2, 5, 4, 128, 100), (1, 1, 1, 64, 1), (2, 2, 8, 64
 
 @pytest.fixture(autouse=True)
 def kernels_or_skip():
-    if not cpu_kernels.cpu_supports(torch.float32):
+    if not capabilities.kernel_instructions(torch.float32):
         pytest.skip("this CPU lacks AVX-512, which decode_attention needs")
     assert cpu_kernels.attention_available(torch.float32), "the CPU supports it but no build"
 

@@ -12,15 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from arborlm.runtime.layers import activation, cpu_kernels
+from arborlm.runtime.layers import activation
 from arborlm.runtime.layers.norm import RMSNorm
+from arborlm.runtime.platforms.cpu import capabilities
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 
 WIDTHS = [1, 15, 16, 64, 100, 512, 1408]
 
 
 @pytest.fixture(autouse=True)
 def kernels_or_skip():
-    if not cpu_kernels.cpu_supports(torch.float32):
+    if not capabilities.kernel_instructions(torch.float32):
         pytest.skip("this CPU lacks AVX-512, which the kernels need")
     assert cpu_kernels.elementwise_available(torch.float32)
 

@@ -22,19 +22,19 @@ from pathlib import Path
 import psutil
 import pytest
 
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from tests.conftest import REPO_ROOT
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from arborlm.runtime.layers.cpu_kernels import _build_lock
+from arborlm.runtime.platforms.cpu.kernels import _build_lock
 with _build_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(3600)  # until the test kills it
 """
 BUILD = """
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 print("built" if cpu_kernels.build() else "failed", flush=True)
 """
 DEADLINE_S = 600.0  # generous bound on one import of torch or one full build on a busy machine

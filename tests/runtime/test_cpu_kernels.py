@@ -15,7 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arborlm.runtime.layers import cpu_kernels, cpu_linear
+from arborlm.runtime.platforms.cpu import capabilities
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu import linear as cpu_linear
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(1, 1), (5, 17), (64, 64), (33, 130), (7, 100), (300, 1408), (1024, 512), (3, 4099)]
@@ -23,7 +25,7 @@ ROWS = [1, 2, 11, 12, 13, 32, 97, 200]
 
 
 def _skip_unless_available(dtype: torch.dtype) -> None:
-    if not cpu_kernels.cpu_supports(dtype):
+    if not capabilities.kernel_instructions(dtype):
         pytest.skip(f"this CPU lacks the instructions panel_linear needs for {dtype}")
     assert cpu_kernels.available(dtype), "the CPU supports panel_linear but it did not build"
 

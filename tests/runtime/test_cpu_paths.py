@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from arborlm import Engine
-from arborlm.runtime.attention import torch_native
 from arborlm.runtime.config import EngineArgs, cpu_has_native_bf16
-from arborlm.runtime.layers import cpu_linear
+from arborlm.runtime.platforms.cpu import attention as cpu_attention
+from arborlm.runtime.platforms.cpu import linear as cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 
@@ -23,13 +23,13 @@ def test_cascade_decode_matches_transformers(make_tiny_model, monkeypatch):
     steps run through the cascade path with two groups, and greedy outputs equal transformers'."""
     path = str(make_tiny_model("llama"))
     groups = []
-    cascade = torch_native.TorchNativeBackend._with_prefix
+    cascade = cpu_attention.CpuAttentionBackend._with_prefix
 
     def counting(*args):
         groups.append(args[5].num_groups)
         return cascade(*args)
 
-    monkeypatch.setattr(torch_native.TorchNativeBackend, "_with_prefix", staticmethod(counting))
+    monkeypatch.setattr(cpu_attention.CpuAttentionBackend, "_with_prefix", staticmethod(counting))
     shared = [[(7 * i) % 400 + 10 for i in range(90)],
               [(11 * i) % 300 + 20 for i in range(120)]]  # > CASCADE_MIN_PREFIX tokens
     prompts = [shared[j % 2] + [20 + j, 30 + j, 40 + 2 * j] for j in range(6)]
@@ -51,13 +51,13 @@ def test_cascade_extend_matches_transformers(make_tiny_model, monkeypatch):
     extend on its cached prefix as one cascade group; greedy outputs equal transformers'."""
     path = str(make_tiny_model("llama"))
     sizes = []
-    extend_group = torch_native.attend_extend_group
+    extend_group = cpu_attention.attend_extend_group
 
     def counting(*args):
         sizes.append(len(args[4].members))
         return extend_group(*args)
 
-    monkeypatch.setattr(torch_native, "attend_extend_group", counting)
+    monkeypatch.setattr(cpu_attention, "attend_extend_group", counting)
     shared = [(7 * i) % 400 + 10 for i in range(100)]  # > CASCADE_MIN_PREFIX tokens
     prompts = [shared + [20 + j, 30 + j, 40 + 2 * j][: 1 + j % 3] for j in range(5)]
     engine = Engine(path, dtype="float32", debug_integrity=True)
@@ -139,14 +139,14 @@ def test_decode_workspace_matches_transformers(make_tiny_model, monkeypatch):
     """Consecutive decode steps append to the workspace; joins and finishes refill it."""
     path = str(make_tiny_model("llama"))
     modes: list[str] = []
-    metadata = torch_native.TorchNativeBackend._decode_metadata
+    metadata = cpu_attention.CpuAttentionBackend._decode_metadata
 
     def recording(self, batch):
         meta = metadata(self, batch)
         modes.append(meta.workspace)
         return meta
 
-    monkeypatch.setattr(torch_native.TorchNativeBackend, "_decode_metadata", recording)
+    monkeypatch.setattr(cpu_attention.CpuAttentionBackend, "_decode_metadata", recording)
     prompts = [[(17 * i + j) % 400 + 6 for i in range(5 + 9 * j)] for j in range(3)]
     params = [dict(GREEDY, max_new_tokens=n) for n in (16, 9, 12)]  # finishes refill it
     engine = Engine(path, dtype="float32", disable_fused_decode=True)

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (`arborlm.runtime.cuda_graph_runner`).
+"""CUDA-graph decode (`arborlm.runtime.platforms.cuda.graph_runner`).
 
 On CPU: bucket selection and padding as pure functions, the engine options, the clean fallback
 (a default CPU engine serves and reports graphs off), and the padded static decode step a graph
@@ -20,10 +20,15 @@ if os.environ.get("ARBORLM_TEST_DEVICE", "cpu") == "cpu":
 
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime.attention.base import CudaGraphShape, create_attention_backend
+from arborlm.runtime.attention import create_attention_backend
+from arborlm.runtime.attention.base import CudaGraphShape
 from arborlm.runtime.config import EngineArgs
-from arborlm.runtime.cuda_graph_runner import (
+from arborlm.runtime.decode_executor import EagerDecode
+from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
+from arborlm.runtime.model_runner import ModelRunner
+from arborlm.runtime.platforms.cuda.graph_runner import (
     PADDING_ROW,
+    CudaGraphRunner,
     DecodeInputBuffers,
     PaddedDecodeStep,
     attention_layer_shape,
@@ -31,8 +36,6 @@ from arborlm.runtime.cuda_graph_runner import (
     graphs_off_reason,
     padded_batch_size,
 )
-from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
-from arborlm.runtime.model_runner import ModelRunner
 from tests.runtime.engine_helpers import PROMPTS
 
 HAS_CUDA = torch.cuda.is_available()
@@ -119,11 +122,11 @@ def test_graphs_off_reasons():
 
 
 def test_default_cpu_engine_runs_eagerly_and_logs_why(make_tiny_model, caplog):
-    caplog.set_level(logging.INFO, logger="arborlm.runtime.cuda_graph_runner")
+    caplog.set_level(logging.INFO, logger="arborlm.runtime.platforms.cuda.graph_runner")
     with Engine(str(make_tiny_model("llama")), dtype="float32", max_total_tokens=2048) as engine:
         out = engine.generate(PROMPTS[:2], {"temperature": 0, "max_new_tokens": 3})
         assert [len(o["output_ids"]) for o in out] == [3, 3]
-        assert engine.scheduler.runner.graph_runner is None
+        assert not isinstance(engine.scheduler.runner.decode, CudaGraphRunner)
     assert "CUDA graphs off: device is cpu" in caplog.text
 
 
@@ -160,7 +163,7 @@ def test_padded_static_decode_step_matches_eager(make_tiny_model):
     args = EngineArgs(model_path=str(make_tiny_model("llama")), dtype="float32",
                       attention_backend="triton", max_total_tokens=512, max_running_requests=8)
     runner = ModelRunner(args.resolve())
-    assert runner.graph_runner is None
+    assert not isinstance(runner.decode, CudaGraphRunner)
     lens = [5, SPLIT_CHUNK + 8, 3 * SPLIT_CHUNK + 4]  # 1, 2 and 4 kv splits
     batch = _decode_batch(runner, [3, 0, 5], lens, torch.Generator().manual_seed(0))
     expected = runner.forward(batch)  # [3, V], eager (grid from the longest sequence)
@@ -207,14 +210,14 @@ def test_replayed_logits_match_eager(make_tiny_model, backend, dtype):
                       attention_backend=backend, max_total_tokens=2048,
                       max_running_requests=8, cuda_graph_max_bs=8)
     runner = ModelRunner(args.resolve())
-    assert runner.graph_runner is not None
-    assert runner.graph_runner.batch_sizes == [1, 2, 4, 8]
+    assert isinstance(runner.decode, CudaGraphRunner)
+    assert runner.decode.batch_sizes == [1, 2, 4, 8]
     batch = _decode_batch(runner, [3, 0, 5], [5, 300, 700], torch.Generator().manual_seed(0))
     for name in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc",
                  "logits_indices"):
         setattr(batch, name, getattr(batch, name).cuda())
     replayed = runner.forward(batch).clone()  # [3, V]
-    runner.graph_runner = None  # the same runner, eager from here on
+    runner.decode = EagerDecode()  # the same runner, eager from here on
     eager = runner.forward(batch)
     assert replayed.shape == eager.shape == (3, runner.vocab_size)
     scale = float(eager.abs().max())
@@ -225,7 +228,7 @@ def test_replayed_logits_match_eager(make_tiny_model, backend, dtype):
 def _greedy(path: str, backend: str, dtype: str, **options) -> tuple[list[list[int]], bool]:
     with Engine(path, device="cuda", attention_backend=backend, dtype=dtype,
                 max_total_tokens=8192, **options) as engine:
-        captured = engine.scheduler.runner.graph_runner is not None
+        captured = isinstance(engine.scheduler.runner.decode, CudaGraphRunner)
         params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
         outs = [o["output_ids"] for o in engine.generate(PROMPTS, params)]
         outs += [o["output_ids"] for o in engine.generate(PROMPTS[:3], params)]  # padded to 4

@@ -20,7 +20,7 @@ import torch
 
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.config import EngineArgs
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from tests.runtime.engine_helpers import exactness_matrix
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -226,7 +226,7 @@ def test_row_functions_match_a_float64_reference_and_ignore_the_batch(dtype, siz
 def test_panel_linears_give_every_row_the_same_result_at_any_batch_size(dtype, shape) -> None:
     from torch import nn
 
-    from arborlm.runtime.layers.cpu_linear import PackedLinear, pack_linears
+    from arborlm.runtime.platforms.cpu.linear import PackedLinear, pack_linears
 
     _kernels(dtype)
     torch.manual_seed(0)

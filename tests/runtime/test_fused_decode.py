@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from arborlm import Engine
-from arborlm.runtime import compiled_decode, model_runner
-from arborlm.runtime.layers import cpu_kernels, cpu_linear
+from arborlm.runtime.platforms.cpu import fused_decode
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu import linear as cpu_linear
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 # These tests follow the kernels that run without deterministic inference (the causal
@@ -59,13 +60,13 @@ def test_fused_step_equals_the_eager_engine(make_tiny_model, monkeypatch, arch, 
     path = str(make_tiny_model(arch, **overrides))
     calls = _count_fused_steps(monkeypatch)
     with Engine(path, dtype=dtype, **NOT_DETERMINISTIC, enable_torch_compile=True) as engine:
-        assert engine.scheduler.runner.compiled.fused is not None
+        assert isinstance(engine.scheduler.runner.decode, fused_decode.FusedDecodeStep)
         fused = _decode_together(engine)
     # Every decode step after the prefill's token, at batch sizes 3, 2 and 1.
     assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
-    monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
+    monkeypatch.setattr(fused_decode, "create_fused_decode", lambda parts: None)
     with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:  # eager, without the fused step
-        assert engine.scheduler.runner.fused is None
+        assert not isinstance(engine.scheduler.runner.decode, fused_decode.FusedDecodeStep)
         eager = _decode_together(engine)
     _check_equal(path, dtype, fused, eager)
 
@@ -82,11 +83,10 @@ def test_eager_engines_decode_through_the_fused_step(make_tiny_model, monkeypatc
     path = str(make_tiny_model(arch, **overrides))
     calls = _count_fused_steps(monkeypatch)
     with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:
-        assert engine.scheduler.runner.compiled is None
-        assert engine.scheduler.runner.fused is not None
+        assert isinstance(engine.scheduler.runner.decode, fused_decode.FusedDecodeStep)
         fused = _decode_together(engine)
     assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
-    monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
+    monkeypatch.setattr(fused_decode, "create_fused_decode", lambda parts: None)
     with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:
         eager = _decode_together(engine)
     _check_equal(path, dtype, fused, eager)
@@ -105,7 +105,7 @@ def test_wide_batches_split_the_row_work_over_threads(make_tiny_model, monkeypat
     with Engine(path, dtype=dtype, **NOT_DETERMINISTIC, num_continuous_decode_steps=1) as engine:
         fused = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     assert max(calls) == 20
-    monkeypatch.setattr(model_runner, "create_fused_decode_step", lambda runner: None)
+    monkeypatch.setattr(fused_decode, "create_fused_decode", lambda parts: None)
     with Engine(path, dtype=dtype, **NOT_DETERMINISTIC) as engine:
         eager = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     for f, e in zip(fused, eager):
@@ -117,8 +117,8 @@ def test_wide_batches_split_the_row_work_over_threads(make_tiny_model, monkeypat
 def _count_fused_steps(monkeypatch) -> list[int]:
     """The batch size of every fused decode step from now on, in order."""
     calls: list[int] = []
-    call = compiled_decode.FusedDecodeStep.__call__
-    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__",
+    call = fused_decode.FusedDecodeStep.__call__
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "__call__",
                         lambda self, batch, *rest: calls.append(batch.batch_size)
                         or call(self, batch, *rest))
     return calls
@@ -136,7 +136,7 @@ def _check_equal(path: str, dtype: str, fused: list[dict], eager: list[dict]) ->
 def test_q_k_norms_keep_the_compiled_graph(make_tiny_model):
     with Engine(str(make_tiny_model("qwen3")), dtype="float32",
                 enable_torch_compile=True) as engine:
-        assert engine.scheduler.runner.compiled.fused is None
+        assert not isinstance(engine.scheduler.runner.decode, fused_decode.FusedDecodeStep)
         out = _decode(engine)
     assert len(out["output_ids"]) == 12
 
@@ -184,13 +184,13 @@ def test_requests_on_a_shared_prefix_decode_through_the_fused_step(make_tiny_mod
         pytest.skip("this CPU lacks AVX512-BF16")
     path = str(make_tiny_model("llama"))
     groups = []
-    call = compiled_decode.FusedDecodeStep.__call__
+    call = fused_decode.FusedDecodeStep.__call__
 
     def counting(self, batch, cascade=None):
         groups.append(0 if cascade is None else len(cascade[3]))
         return call(self, batch, cascade)
 
-    monkeypatch.setattr(compiled_decode.FusedDecodeStep, "__call__", counting)
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "__call__", counting)
     shared = [[(7 * i) % 400 + 10 for i in range(90)],
               [(11 * i) % 300 + 20 for i in range(120)]]  # > CASCADE_MIN_PREFIX tokens
     prompts = [shared[j % 2] + [20 + j, 30 + j, 40 + 2 * j] for j in range(6)]

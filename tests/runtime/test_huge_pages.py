@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from arborlm.runtime.layers import cpu_kernels, cpu_linear, huge_pages
+from arborlm.runtime.platforms.cpu import huge_pages
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.skipif(not huge_pages.huge_pages_possible(),
                                 reason="no transparent huge pages on this machine")

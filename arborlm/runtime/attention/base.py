@@ -6,11 +6,12 @@ which stores the new tokens' K/V in the pool at `batch.out_cache_loc` and return
 output. Backends differ only in how they compute; the KV layout (`KVPool`, `req_to_token`) is
 shared, so a model never knows which backend runs it.
 
-Decode steps can also be replayed from CUDA graphs (`arborlm.runtime.cuda_graph_runner`). A
-backend that supports this returns None from `cuda_graph_unsupported_reason` and implements the
-three `*cuda_graph*` / `*_capture` / `*_replay` hooks, which keep the decode metadata in buffers
-allocated once, so that a captured step reads this step's values at the captured addresses.
-The defaults say "unsupported", and the runner then decodes eagerly with this backend.
+Decode steps can also be replayed from CUDA graphs
+(`arborlm.runtime.platforms.cuda.graph_runner`). A backend that supports this returns None from
+`cuda_graph_unsupported_reason` and implements the three `*cuda_graph*` / `*_capture` /
+`*_replay` hooks, which keep the decode metadata in buffers allocated once, so that a captured
+step reads this step's values at the captured addresses. The defaults say "unsupported", and the
+runner then decodes eagerly with this backend.
 """
 
 from __future__ import annotations
@@ -96,24 +97,3 @@ class AttentionBackend(abc.ABC):
         """Before a replay, outside the graph: write this step's metadata into the buffers the
         graph captured. `batch` is the captured padded batch holding this step's values."""
         raise NotImplementedError(self.cuda_graph_unsupported_reason(batch.kv_pool.dtype))
-
-
-def create_attention_backend(name: str, model_runner_device: str,
-                             deterministic: bool = False) -> AttentionBackend:
-    """Registry: backends are imported lazily so `import arborlm` never pulls Triton/FlashInfer.
-    `deterministic` (torch_native only): batch-invariant attention."""
-    if name == "torch_native":
-        from arborlm.runtime.attention.torch_native import TorchNativeBackend
-
-        return TorchNativeBackend(deterministic=deterministic)
-    if deterministic:
-        raise ValueError(f"the {name} attention backend has no deterministic mode")
-    if name == "triton":
-        from arborlm.runtime.attention.triton_backend import TritonBackend
-
-        return TritonBackend()
-    if name == "flashinfer":
-        from arborlm.runtime.attention.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(model_runner_device)
-    raise ValueError(f"unknown attention backend {name!r}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.layers import ops_for
 from arborlm.runtime.sampling.sampling_batch import SamplingBatch
 
 
@@ -61,12 +61,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax `[B]` of x `[B, V]` (the first where the maximum repeats): ArborLM's
-    vectorized CPU kernel on float32 where it runs, else `torch.argmax`."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 \
-            and x.shape[-1] > 0 and cpu_kernels.elementwise_available(torch.float32):
-        return cpu_kernels.argmax_rows(x)
-    return torch.argmax(x, dim=-1)
+    """Each row's argmax `[B]` of x `[B, V]` (the first where the maximum repeats), with the
+    operator table of x's device and dtype (a vectorized kernel where the platform has one)."""
+    return ops_for(x.device, x.dtype).argmax(x)
 
 
 def _truncate(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

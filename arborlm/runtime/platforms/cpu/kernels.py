@@ -63,7 +63,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import threading
 import time
@@ -71,6 +70,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from arborlm.runtime.platforms.cpu import capabilities
 
 logger = logging.getLogger(__name__)
 
@@ -87,21 +88,11 @@ _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet; else whether the operator is registered
 
 
-def cpu_supports(dtype: torch.dtype) -> bool:
-    """Whether this CPU has the instructions `panel_linear` needs for `dtype`."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    if not torch.cpu._is_avx512_supported():
-        return False
-    if dtype == torch.bfloat16:
-        return torch.cpu._is_avx512_bf16_supported()
-    return dtype == torch.float32
-
-
 def available(dtype: torch.dtype) -> bool:
     """Whether `panel_linear` runs here for `dtype`, building the operators on the first
     call."""
-    if os.environ.get("ARBORLM_CPU_KERNELS", "1") == "0" or not cpu_supports(dtype):
+    if os.environ.get("ARBORLM_CPU_KERNELS", "1") == "0" \
+            or not capabilities.kernel_instructions(dtype):
         return False
     return _build()
 
@@ -122,7 +113,7 @@ def packed_linear_available() -> bool:
     """Whether `packed_linear` runs here (the operators built: an x86-64 C++ compiler)."""
     if os.environ.get("ARBORLM_CPU_KERNELS", "1") == "0":
         return False
-    return platform.machine().lower() in ("x86_64", "amd64") and _build()
+    return capabilities.is_x86_64() and _build()
 
 
 def attention_fits(dtype: torch.dtype, group: int, head_dim: int) -> bool:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 
 # Smallest weight (out x in elements) worth packing; below it the call overhead dominates.
 MIN_PACKED_ELEMENTS = 1 << 16

@@ -2,8 +2,9 @@
 
 The radix cache hands requests that share a prompt prefix (a system prompt, few-shot examples,
 a fork's parent) the same KV slots for it, so a batch's shared prefixes show in its slot
-tables. `shared_runs` finds them; `torch_native` decodes such groups with cascade attention
-(each prefix read once per step) and, on a CPU, extends them together (`extend_groups`,
+tables. `find_groups` finds them in a decode batch (`shared_runs` does the matching); the CPU
+attention backend decodes such groups with cascade attention (each prefix read once per step),
+as does the fused decode step, and extends them together (`extend_groups`,
 `attend_extend_group`): all members' new tokens attend to the shared prefix in one flash
 attention call (ArborLM's `prefix_attention` kernel where it runs) and to their own keys in one
 more, padded, the two parts merged by their log-sum-exps (both kernels return them).
@@ -18,8 +19,54 @@ import torch
 import torch.nn.functional as F
 
 from arborlm.runtime.attention.base import AttentionLayerSpec
-from arborlm.runtime.attention.decode_workspace import Layout
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.attention.torch_native import head_rows
+from arborlm.runtime.forward_batch import ForwardBatch
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu.decode_workspace import Layout
+
+# Requests of a decode batch form a cascade group when they share at least this many cached
+# tokens (below it, the extra matmuls cost more than the duplicated reads save) ...
+CASCADE_MIN_PREFIX = 64
+# ... and the batch decodes through its groups when that reads at least this fraction of its
+# keys fewer times (else one dense batch is cheaper: fewer, larger kernels).
+CASCADE_MIN_SAVING = 0.25
+# Most new tokens of a request that extends in a cascade group: members' own parts are padded
+# to the longest, and a long extend is dominated by its own keys anyway (it attends alone).
+CASCADE_EXTEND_MAX_NEW = 256
+
+
+def shares_a_prefix(batch: ForwardBatch) -> bool:
+    """Whether two requests of the batch hold the same KV slot at the position from which
+    `find_groups` would group them (a shared cached prefix: cascade decode reads it once for
+    the group; a step without cascade attention would read it once per request)."""
+    at = CASCADE_MIN_PREFIX - 1
+    rows = [r for r, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu) if n > at + 1]
+    if len(rows) < 2:
+        return False
+    slots = batch.req_to_token_pool.req_to_token[rows, at].tolist()
+    return len(set(slots)) < len(slots)
+
+
+def find_groups(slots: torch.Tensor, lens: list[int]) -> Layout:
+    """Cascade groups of a decode batch (`slots` `[B, L]`, padding 0): requests holding the
+    same slot at position `CASCADE_MIN_PREFIX - 1` share the radix-cache path up to it, so
+    they form a group whose prefix is their longest common run of slots. Groups are used when
+    reading each prefix once saves at least `CASCADE_MIN_SAVING` of the batch's keys."""
+    layout = Layout([0] * len(lens), [-1] * len(lens))
+    eligible = [i for i, n in enumerate(lens) if n > CASCADE_MIN_PREFIX]
+    if len(eligible) < 2:
+        return layout
+    saved = 0
+    caps = [n - 1 for n in lens]  # a request's newest key is its own
+    for group, shared in shared_runs(slots, eligible, caps, CASCADE_MIN_PREFIX):
+        for i in group:
+            layout.offsets[i], layout.groups[i] = shared, layout.num_groups
+        layout.num_groups += 1
+        layout.prefix_width = max(layout.prefix_width, shared)
+        saved += (len(group) - 1) * shared
+    if saved < CASCADE_MIN_SAVING * sum(lens):
+        return Layout([0] * len(lens), [-1] * len(lens))
+    return layout
 
 
 def shared_runs(slots: torch.Tensor, candidates: list[int], caps: list[int],
@@ -173,12 +220,6 @@ class CascadeMeta:
     width: int  # P: the longest group prefix
     identity: bool = False  # every request in a group, groups in batch order and equal-sized:
     # group-major rows are the batch's own rows (no reordering needed)
-
-
-def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Slots `[...]` -> rows `[Hkv * ...]` of a `[num_slots * Hkv, D]` view, head-major."""
-    heads = torch.arange(num_kv_heads, device=slots.device).view(-1, *([1] * slots.dim()))
-    return (slots.unsqueeze(0) * num_kv_heads + heads).flatten()
 
 
 def to_request_rows(x: torch.Tensor, place: torch.Tensor, fill: float) -> torch.Tensor:

@@ -27,18 +27,15 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from arborlm.runtime.attention.base import AttentionBackend, AttentionLayerSpec, CudaGraphShape
 from arborlm.runtime.config import EngineArgs
+from arborlm.runtime.decode_executor import DecodeExecutor, DecodeParts
 from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
 from arborlm.runtime.memory_pool import KVPool, ReqToTokenPool
-
-if TYPE_CHECKING:
-    from arborlm.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +168,7 @@ class _Graph:
     logits: torch.Tensor  # [bs, vocab] float32, written by every replay
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(DecodeExecutor):
     """Captures the decode step for every bucket at construction; replays it per step."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend,
@@ -210,7 +207,7 @@ class CudaGraphRunner:
         rows = batch.logits_indices
         return rows is None or rows.numel() == batch.batch_size
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits `[B, vocab]` float32 of `batch` (valid until the next replay)."""
         bs = padded_batch_size(batch.batch_size, self.batch_sizes)
         assert bs is not None, "batch larger than the largest captured size"
@@ -220,15 +217,15 @@ class CudaGraphRunner:
         return captured.logits[:batch.batch_size]
 
 
-def create_cuda_graph_runner(runner: ModelRunner) -> CudaGraphRunner | None:
-    """A `CudaGraphRunner` for `runner`'s model, or None (logged) when decode stays eager.
+def create_cuda_graph_runner(parts: DecodeParts) -> CudaGraphRunner | None:
+    """A `CudaGraphRunner` for `parts.model`, or None (logged) when decode stays eager.
 
     Never raises for a capture that fails: it logs the error and the engine decodes eagerly.
     """
-    args = runner.config.args
-    backend = runner.attn_backend
-    reason = graphs_off_reason(args, runner.device, backend, runner.kv_pool.dtype)
-    layer = attention_layer_shape(runner.model)
+    args = parts.args
+    backend = parts.attn_backend
+    reason = graphs_off_reason(args, parts.device, backend, parts.kv_pool.dtype)
+    layer = attention_layer_shape(parts.model)
     if reason is None and layer is None:
         reason = "the model's attention layers differ in shape"
     if reason is not None:
@@ -237,8 +234,8 @@ def create_cuda_graph_runner(runner: ModelRunner) -> CudaGraphRunner | None:
     max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
     start = time.perf_counter()
     try:
-        graph_runner = CudaGraphRunner(runner.model, backend, runner.req_to_token_pool,
-                                       runner.kv_pool, max_bs, layer)
+        graph_runner = CudaGraphRunner(parts.model, backend, parts.req_to_token_pool,
+                                       parts.kv_pool, max_bs, layer)
     except Exception as e:  # any capture failure: serve eagerly instead of failing to start
         logger.warning("CUDA graph capture failed (%s: %s); decode runs eagerly",
                        type(e).__name__, e)

@@ -1,17 +1,17 @@
 """Decode attention that `torch.compile` can trace: the attention of compiled decode steps.
 
 `CompiledDecodeAttention` stands in for the attention backend while a decode step runs inside
-`torch.compile` (see `arborlm.runtime.compiled_decode`). It has no host-side decisions and no
-Python state per step: every request's keys are read from the paged pool through a `[B, L]`
-slot table (`L` = the longest sequence, a dynamic dimension). On a CPU with AVX-512 that is
-ArborLM's kernel (`cpu_kernels.decode_attention_paged`, an opaque call in the graph, the
-arithmetic of eager decode's kernel); elsewhere the keys are gathered, padding positions masked
+`torch.compile` (see `compiled_decode`; the fused decode step reads the same metadata). It has no
+host-side decisions and no Python state per step: every request's keys are read from the paged pool
+through a `[B, L]` slot table (`L` = the longest sequence, a dynamic dimension). On a CPU with
+AVX-512 that is ArborLM's kernel (`cpu_kernels.decode_attention_paged`, an opaque call in the graph,
+the arithmetic of eager decode's kernel); elsewhere the keys are gathered, padding positions masked
 by the sequence lengths, and the arithmetic follows `torch_native`'s matmul path (scores in the
-activation dtype, scaled and softmaxed in float32, probabilities cast back), so greedy results
-agree with the eager path.
+activation dtype, scaled and softmaxed in float32, probabilities cast back), so greedy results agree
+with the eager path.
 
 Not here: extend steps, cascade (shared-prefix) decode, the dense decode workspace; a step that
-wants those runs eagerly with `torch_native`.
+wants those runs eagerly with the CPU attention backend.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from arborlm.runtime.attention.base import AttentionLayerSpec
 from arborlm.runtime.forward_batch import ForwardBatch
-from arborlm.runtime.layers import cpu_kernels
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 
 
 @dataclass

@@ -77,7 +77,7 @@ def move_decode_weights(model: nn.Module) -> HugePageArena | None:
     """Copy every `PackedLinear`'s panels (the weights a decode step streams) into a new
     `HugePageArena`; returns the arena (to keep), or None when there is nothing to move or no
     huge pages here."""
-    from arborlm.runtime.layers.cpu_linear import PackedLinear
+    from arborlm.runtime.platforms.cpu.linear import PackedLinear
 
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)
               and m.panels is not None and m.panels.device.type == "cpu"]

@@ -1,0 +1,52 @@
+"""What this CPU can run: its instruction sets, read once per process.
+
+ArborLM's CPU kernels need AVX-512 (and AVX512-BF16 for bfloat16 products); the operating
+system must grant them too, which torch's checks include. The answers never change while a
+process runs, so they are computed once and cached. Nothing here builds or imports a kernel:
+the API process asks these questions too (to resolve the engine's defaults) without loading
+any.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+
+
+@functools.cache
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where there is no such file)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX-BF16), which makes
+    bfloat16 matmuls about twice as fast as float32 and halves the weight and KV traffic."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def kernel_instructions(dtype: torch.dtype) -> bool:
+    """Whether this CPU (and its OS) grants what ArborLM's CPU kernels need for `dtype`: x86-64
+    with AVX-512, and its BF16 dot product for bfloat16."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if not torch.cpu._is_avx512_supported():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported()
+    return dtype == torch.float32
+
+
+def is_x86_64() -> bool:
+    """Whether this is an x86-64 machine (the C++ operators are built for no other)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
