@@ -2,7 +2,7 @@
 
 `SchedulerService(args, addrs)` (started by `process_utils.spawn_child` with the entry
 `"arborlm.runtime.scheduler_process:SchedulerService"`) loads the model, binds the
-tokenizer-to-scheduler socket and loops:
+tokenizer-to-scheduler socket and runs `drive_scheduler` (the in-process client's loop too):
 
     receive messages (block only when idle) → add requests / aborts → scheduler.step()
     → one BatchTokenOutput for the step's reports → answer control requests
@@ -33,9 +33,7 @@ from typing import Any
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime import startup
 from arborlm.runtime.config import EngineArgs
-from arborlm.runtime.detokenizer import PROMPT_CONTEXT_TOKENS
 from arborlm.runtime.ipc import IpcAddresses
-from arborlm.runtime.layers import cpu_kernels
 from arborlm.runtime.messages import (
     AbortReq,
     BatchTokenizedGenerateReq,
@@ -53,11 +51,14 @@ from arborlm.runtime.messages import (
     ShutdownReq,
     TokenizedGenerateReq,
 )
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from arborlm.runtime.process_utils import StopFlag
 from arborlm.runtime.request import Req
+from arborlm.runtime.request_text import decode_options
 from arborlm.runtime.sampling_params import SamplingParams
 from arborlm.runtime.scheduler.outputs import ReqOutput
 from arborlm.runtime.scheduler.scheduler import Scheduler
+from arborlm.runtime.scheduler_loop import drive_scheduler
 from arborlm.runtime.tokenizer_utils import load_tokenizer
 from arborlm.runtime.zmq_queues import PullQueue, PushQueue, terminate_context
 
@@ -95,20 +96,23 @@ class SchedulerService:
         return {"max_total_tokens": self.scheduler.max_total_tokens, "pid": os.getpid()}
 
     def run(self, stop: StopFlag) -> None:
-        while not stop.is_set():
-            block = self.scheduler.is_idle
+        control: list[Message] = []  # received with this step's input, answered after the step
+
+        def receive(block: bool) -> bool:
             msgs = self._receive(block)
-            if block and not msgs:
-                continue
-            control = self._handle(msgs)
-            self._send_outputs(self.scheduler.step())
-            if self.debug_integrity and self.scheduler.is_idle:
-                self.scheduler.check_integrity()
+            control[:] = self._handle(msgs)
+            return bool(msgs)
+
+        def after_step() -> None:
             for msg in control:
                 self._answer(msg)
             if self.shutdown_requested:
                 self.send.put(ShutdownReq())
                 stop.set("shutdown requested")
+
+        drive_scheduler(self.scheduler, receive=receive, emit=self._send_outputs,
+                        stopped=stop.is_set, after_step=after_step,
+                        debug_integrity=self.debug_integrity)
 
     def close(self) -> None:
         self.recv.close()
@@ -148,7 +152,9 @@ class SchedulerService:
                       top_logprobs_num=msg.top_logprobs_num,
                       token_ids_logprob=msg.token_ids_logprob, extra_key=msg.extra_key,
                       seed=msg.seed or 0, priority=msg.priority, stream=msg.stream)
-            self.live[msg.rid] = _Live(_decode_options(msg, params), msg.return_logprob)
+            options = decode_options(params, msg.input_ids, stream=msg.stream,
+                                     return_text_in_logprobs=msg.return_text_in_logprobs)
+            self.live[msg.rid] = _Live(options, msg.return_logprob)
             self.scheduler.add_request(req)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             self.live.pop(msg.rid, None)
@@ -199,17 +205,6 @@ class SchedulerService:
         except AssertionError as e:
             return False, str(e) or "integrity check failed"
         return True, "ok"
-
-
-def _decode_options(msg: TokenizedGenerateReq, params: SamplingParams) -> DecodeOptions:
-    return DecodeOptions(
-        skip_special_tokens=params.skip_special_tokens,
-        spaces_between_special_tokens=params.spaces_between_special_tokens,
-        stop=list(params.stop), no_stop_trim=params.no_stop_trim,
-        return_text_in_logprobs=msg.return_text_in_logprobs,
-        prompt_tail_ids=msg.input_ids[-PROMPT_CONTEXT_TOKENS:],
-        stop_regex=list(params.stop_regex), stream=msg.stream,
-        min_new_tokens=params.min_new_tokens)
 
 
 def _token_batch(entries: list[tuple[ReqOutput, DecodeOptions | None, LogprobChunk | None]]
