@@ -236,7 +236,7 @@ def packed_linear_row(repeats: int, calls: int) -> tuple | None:
         return None
     layer = cpu_linear.PackedLinear(torch.nn.Linear(HIDDEN, HIDDEN, bias=False))
     x = torch.randn(32, HIDDEN)
-    a, p, r = compare(lambda: cpu_kernels.packed_linear(x, layer.handle),
+    a, p, r = compare(lambda: cpu_linear.packed_linear(x, layer.handle),
                       lambda: cpu_linear.packed_linear_py(x, layer.handle), repeats, calls * 5)
     return ("packed_linear", "float32", "32 x 512 x 512", f"{a * 1e6:.1f} us",
             f"Python custom op {p * 1e6:.1f} us", f"{r:.2f}x")

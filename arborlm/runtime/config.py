@@ -25,6 +25,7 @@ import torch
 
 from arborlm.constrained import GRAMMAR_BACKENDS
 from arborlm.errors import InvalidRequestError, ModelLoadError
+from arborlm.runtime.platforms.cpu.capabilities import has_native_bf16, kernel_instructions
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -185,7 +186,7 @@ class EngineArgs:
 
         model_path = resolve_model_path(self.model_path)
         dtype = self.dtype
-        if dtype == DType.AUTO and self.device == "cpu" and cpu_has_native_bf16():
+        if dtype == DType.AUTO and self.device == "cpu" and has_native_bf16():
             dtype = DType.BFLOAT16.value
         model = ModelConfig.from_path(model_path, dtype, self.context_length)
         backend = check_choice(AttentionBackend, self.attention_backend, "attention_backend")
@@ -222,7 +223,7 @@ class EngineArgs:
         reasons = []
         if self.device != "cpu":
             reasons.append(f"it runs on CPU only (device {self.device})")
-        elif not _kernel_instructions(model.dtype):
+        elif not kernel_instructions(model.dtype):
             reasons.append(f"this CPU lacks the instructions of ArborLM's {model.dtype} kernels "
                            f"(AVX-512, and AVX512-BF16 for bfloat16)")
         if backend != "torch_native":
@@ -235,32 +236,6 @@ class EngineArgs:
         if wanted is None and model.dtype == torch.float32:
             return False  # its measured cost in float32 is above 10% (docs/determinism.md)
         return not reasons
-
-
-def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty where there is no such file)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX-BF16), which makes
-    bfloat16 matmuls about twice as fast as float32 and halves the weight and KV traffic."""
-    return bool(_cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
-
-
-def _kernel_instructions(dtype: torch.dtype) -> bool:
-    """Whether the CPU has what ArborLM's CPU kernels need for `dtype` (AVX-512, and its BF16
-    dot product for bfloat16), read without importing them (the API process does not)."""
-    flags = _cpu_flags()
-    needed = {torch.float32: {"avx512f"}, torch.bfloat16: {"avx512f", "avx512_bf16"}}
-    return dtype in needed and needed[dtype] <= flags
 
 
 def _auto_attention_backend(device: str) -> str:

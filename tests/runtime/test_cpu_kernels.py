@@ -182,4 +182,4 @@ def test_traced_batches_call_the_packed_weight(dtype, python_op, monkeypatch):
         import gc
         gc.collect()
         with pytest.raises(RuntimeError, match=f"no packed layer number {handle}"):
-            cpu_kernels.packed_linear(x, handle)
+            cpu_linear.packed_linear(x, handle)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from arborlm import Engine
-from arborlm.runtime.config import EngineArgs, cpu_has_native_bf16
+from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.platforms.cpu import attention as cpu_attention
 from arborlm.runtime.platforms.cpu import linear as cpu_linear
+from arborlm.runtime.platforms.cpu.capabilities import has_native_bf16
 from tests.runtime.engine_helpers import GREEDY, hf_greedy
 
 
@@ -83,15 +84,15 @@ def test_auto_dtype_follows_the_cpu(make_tiny_model, tmp_path, monkeypatch):
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
     without = tmp_path / "plain"
     without.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
-    assert cpu_has_native_bf16(str(with_bf16))
-    assert not cpu_has_native_bf16(str(without))
-    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
+    assert has_native_bf16(str(with_bf16))
+    assert not has_native_bf16(str(without))
+    assert not has_native_bf16(str(tmp_path / "missing"))
 
     path = str(make_tiny_model("llama"))  # a float32 checkpoint
-    monkeypatch.setattr("arborlm.runtime.config.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("arborlm.runtime.config.has_native_bf16", lambda: True)
     assert EngineArgs(model_path=path).resolve().model.dtype == torch.bfloat16
     assert EngineArgs(model_path=path, dtype="float32").resolve().model.dtype == torch.float32
-    monkeypatch.setattr("arborlm.runtime.config.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("arborlm.runtime.config.has_native_bf16", lambda: False)
     assert EngineArgs(model_path=path).resolve().model.dtype == torch.float32
 
 

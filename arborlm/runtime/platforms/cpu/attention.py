@@ -246,8 +246,8 @@ class CpuAttentionBackend(TorchNativeBackend):
                          kernel: bool) -> int:
         """Own keys attended per request from the workspace. The CPU kernel and float32: the
         longest (the kernel reads each row's own count; float32's strided view is fastest);
-        half precision: the whole capacity, as its batched matmuls are ~1.6x faster on a
-        contiguous operand than on the strided one, padding and all."""
+        half precision: the whole capacity, as its batched matmuls are faster on a contiguous
+        operand than on the strided one, padding and all."""
         if kernel or batch.kv_pool.dtype == torch.float32:
             return int(own_lens.max())
         return self.workspace.capacity

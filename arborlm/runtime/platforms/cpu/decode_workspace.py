@@ -34,8 +34,8 @@ from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.memory_pool import KVPool
 
 # The workspace may always hold this much (K and V, all layers), whatever the free memory; see
-# `byte_limit` for its bound. (128 requests of 1,100 tokens on the 40M default model need 2.5 GB
-# of it; decoding them from the pool instead took 3x as long: 34 s against 11 s.)
+# `byte_limit` for its bound. (128 requests of 1,100 tokens of a 40M model need 2.5 GB of it;
+# decoding them from the pool instead is several times slower: docs/performance.md.)
 MIN_BYTES = 512 << 20
 # Positions allocated past the longest sequence when (re)filling, rounded up to a multiple.
 HEADROOM = 64

@@ -6,10 +6,8 @@ every 64 cache lines; the page walks then cost a share of the bandwidth. Linux b
 memory with 2 MiB pages where a mapping asks for them (`MADV_HUGEPAGE`; `transparent_hugepage`
 set to `madvise`, the common default, gives them to no one else), but torch's allocator never
 asks. `HugePageArena` is one such mapping, and `move_decode_weights` copies into it the weights
-that ArborLM's decode kernel streams (each `PackedLinear`'s panels, `cpu_kernels.panel_linear`).
-On the 2-core development machine, one step's one-row products over the 32M model's weights,
-measured with the row kernel that preceded the panels: bfloat16 1.39-1.54 -> 1.20-1.28 ms,
-float32 3.62-3.93 -> 3.27-3.74 ms (alternating runs).
+that ArborLM's decode kernel streams (each `PackedLinear`'s panels, `kernels.panel_linear`),
+which makes one-row products measurably faster (docs/performance.md, "CPU kernels").
 
 Where the kernel has no huge pages (`never`, or not Linux), the arena is plain memory and changes
 nothing; `ARBORLM_HUGE_PAGES=0` skips it.

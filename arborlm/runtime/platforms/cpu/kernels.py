@@ -1,59 +1,39 @@
-"""ArborLM's own CPU kernels, C++ torch operators built on first use: `panel_linear` (the
-linears of decode batches, one row included), `decode_attention` (over each request's own keys;
-`_paged` reads the KV pool in place), and the fused float32 `add_rms_norm` and `silu_and_mul`.
+"""ArborLM's own CPU kernels: C++ torch operators, their build, and their Python entry points.
 
-`panel_linear`: a decode step multiplies a few rows by every weight, and the weights do not fit
-in the cache, so the step streams them all from memory. `pack_panels` lays a weight out as
-panels of 32 output columns, each one sequential stream, and `csrc/panel_gemm.cpp` reads every
-panel from memory once per call, keeping a tile of up to 12 rows x 32 columns in registers
-(float32 FMAs; bfloat16 with the AVX512-BF16 dot product: products exact, sums in float32, one
-rounding). On a 2-core Zen 4 machine, 32 rows against oneDNN's packed GEMM with the weight not
-cached (the 32M benchmark model's shapes): float32 175-200 against 140-175 GFLOP/s, bfloat16
-360-390 against 240-350; one row streams the weight at 23-44 GB/s, as fast as or faster than
-the one-row kernel it replaced (MKL's GEMV: ~10 GB/s). `benchmarks/cpu_kernels.py` measures it.
+The operators (`torch.ops.arborlm.*`, sources in `csrc/`), each what a library call could not do
+as fast on a CPU (figures: docs/performance.md, "CPU kernels"; `benchmarks/cpu_kernels.py`):
 
-`add_rms_norm` and `silu_and_mul` (float32 and bfloat16, eager forward): a residual add fused
-with RMSNorm, and SwiGLU, one pass over the activations each instead of ATen's six and three,
-with the fused decode step's arithmetic (see `csrc/elementwise.cpp`, `csrc/row_ops.h`).
-`argmax_rows`: greedy sampling's argmax, vectorized (ATen's CPU argmax
-compares element by element: 32 rows of 8,192 logits ~115 us, here ~16 us).
+- `panel_linear` over `pack_panels` weights: the linears of decode batches (one row included).
+  A decode step streams every weight from memory; panels of 32 output columns are each one
+  sequential stream, read once per call into a register tile of up to 12 rows x 32 columns
+  (float32 FMAs; bfloat16 with the AVX512-BF16 dot product: products exact, sums in float32,
+  one rounding). Its results do not depend on the number of rows.
+- `decode_attention` (and `_paged`, which reads the KV pool in place): one pass per (KV head,
+  request) over that request's own keys, with each query's log-sum-exp, so that a cascade's
+  shared-prefix part merges with it as one softmax would; `paged_attention_rows`: every token
+  of an extend attending as a decode query would (deterministic inference).
+- `causal_attention`: an extend's attention as flash attention over register tiles;
+  `prefix_attention`: a cascade group's shared prefix in the same tiles, read once.
+- `add_rms_norm`, `silu_and_mul` (float32 and bfloat16): one pass over the activations each,
+  with the fused decode step's arithmetic (`csrc/row_ops.h`); `argmax_rows`, vectorized.
+- `decode_step` / `decode_steps`: a whole decode step of a Llama-family model in one call over
+  these kernels (`fused_decode.FusedDecodeStep`); `packed_linear`: a oneDNN-packed weight
+  called by number from a compiled graph (`linear.packed_linear`; it needs no AVX-512).
 
-`causal_attention`: an extend's attention (a prompt's new tokens, on a cached prefix or not) as
-flash attention over register tiles (`csrc/prefill_attention.cpp`). A 512-token prompt of the
-32M model (8 heads over 4 KV heads, head dim 64), one layer: ~1.6 ms against ~3.6 ms for ATen's
-CPU flash kernel (`scaled_dot_product_attention`), float32 and bfloat16; the whole float32
-prefill ~156 -> ~133 ms.
+The operators live in one extension, built on first use with torch's extension builder (a C++
+compiler and ninja; tens of seconds, cached on disk after) and traced by `torch.compile` as
+opaque calls. The build runs in ArborLM's cache directory (`build_dir()`, under
+`$ARBORLM_CACHE_DIR` or ~/.cache/arborlm) while holding an `fcntl.flock` on a file next to it:
+the kernel releases that lock when its holder dies, however it dies, so a build killed midway
+(an OOM kill) never blocks a later start. torch's builder has a lock of its own, a plain `lock`
+file in the build directory that outlives a killed builder and makes every later build wait for
+it forever; whoever holds the flock is the only builder, so a `lock` file found then is stale,
+and the half-built directory is removed and built afresh. A build that fails leaves the library
+kernels serving, with a warning.
 
-`decode_step`: a whole decode step of a Llama-family model in one call over these kernels
-(`csrc/decode_step.cpp`; `compiled_decode.FusedDecodeStep` calls it). Requests sharing a cached
-prefix attend to it through `prefix_attention` (the causal kernel's tiles, all members' query
-heads against the group's prefix, read once), merged with their own keys by log-sum-exp.
-
-`packed_linear`: a linear through its oneDNN-packed weight, looked up by number, so that a
-compiled graph (which cannot hold the opaque packed tensor) can call it without a Python frame
-(`csrc/packed_linear.cpp`); it needs no AVX-512, only the build.
-
-`decode_attention`: a decode step's attention as one pass per (KV head, request) row over
-its own keys (see `csrc/decode_attention.cpp`), instead of two batched matmuls padded to the
-longest row around a softmax; it also returns each query's log-sum-exp, so that a cascade's
-shared-prefix part merges with it as one softmax would. 32M bfloat16, batch 32 at ~96 keys, one
-layer: 143 us against 401 us for the matmuls; the whole decode step 20.0 -> 13.5 ms.
-
-The kernels are C++ torch operators (`torch.ops.arborlm.*`) in one extension, built on first use
-with torch's extension builder (a C++ compiler and ninja; ~20 s, cached on disk after) and traced
-by `torch.compile` as opaque calls. The build runs in ArborLM's cache directory
-(`build_dir()`, under `$ARBORLM_CACHE_DIR` or ~/.cache/arborlm) while holding an `fcntl.flock`
-on a file next to it: the kernel releases that lock when its holder dies, however it dies, so
-a build killed midway (an OOM kill) never blocks a later start. torch's builder has a lock of
-its own, a plain `lock` file in the build directory that outlives a killed builder and makes
-every later build wait for it forever; whoever holds the flock is the only builder, so a `lock`
-file found then is stale, and the half-built directory is removed and built afresh. A build
-that fails leaves the library kernels serving, with a warning.
-
-`available(dtype)`, `attention_available(dtype)` and `elementwise_available(dtype)` say
-whether they can run here: an x86 CPU with AVX-512 (and, for `panel_linear` in bfloat16,
-AVX512-BF16), and a build that succeeded; otherwise callers keep their library path.
-`ARBORLM_CPU_KERNELS=0` turns them off (to compare).
+`available(dtype)`, `attention_available(dtype)` and `elementwise_available(dtype)` say whether
+they run here: the instructions (`capabilities`) and a build that succeeded; otherwise callers
+keep their library path. `ARBORLM_CPU_KERNELS=0` turns them off (to compare).
 """
 
 from __future__ import annotations
@@ -214,7 +194,6 @@ def _build() -> bool:
         torch.library.register_fake("arborlm::add_rms_norm")(_norm_shape)
         torch.library.register_fake("arborlm::silu_and_mul")(_silu_shape)
         torch.library.register_fake("arborlm::argmax_rows")(_argmax_shape)
-        torch.library.register_fake("arborlm::packed_linear")(_packed_linear_shape)
         torch.library.register_fake("arborlm::pack_panels")(_pack_panels_shape)
         torch.library.register_fake("arborlm::panel_linear")(_panel_linear_shape)
         torch.library.register_fake("arborlm::causal_attention")(_causal_shape)
@@ -351,33 +330,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     it repeats, the first NaN where there is one (as `torch.argmax`).
     `elementwise_available(x.dtype)` must hold."""
     return torch.ops.arborlm.argmax_rows(x)
-
-
-_packed_out: dict[int, int] = {}  # layer number -> output features (for tracing)
-
-
-def register_packed_linear(handle: int, packed: torch.Tensor, bias: torch.Tensor | None,
-                           out_features: int) -> None:
-    """Make `packed_linear(x, handle)` compute x times the oneDNN-packed weight `packed` (plus
-    `bias`); `packed_linear_available()` must hold. The operator holds the tensors until
-    `forget_packed_linear(handle)`."""
-    torch.ops.arborlm.register_packed_linear(handle, packed, bias)
-    _packed_out[handle] = out_features
-
-
-def forget_packed_linear(handle: int) -> None:
-    torch.ops.arborlm.forget_packed_linear(handle)
-    _packed_out.pop(handle, None)
-
-
-def _packed_linear_shape(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], _packed_out[handle]))
-
-
-def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """x `[T, in]` times layer `handle`'s packed weight (plus bias) -> `[T, out]`, through
-    `mkldnn::_linear_pointwise`; the layer must be registered."""
-    return torch.ops.arborlm.packed_linear(x, handle)
 
 
 PANEL_COLUMNS = 32  # output columns per panel (`csrc/panel_gemm.cpp`)

@@ -5,17 +5,13 @@ layout on every call, and the library copies it into its blocked layout each tim
 small batches of decoding that copy costs as much as the product. `pack_linears` does it once,
 after loading (`torch.ops.mkldnn._reorder_linear_weight`, as torch.compile's CPU freezing pass
 does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for any number of rows:
-prefill too, where the packed float32 product beats MKL's on the plain weight (2-core
-AVX512-BF16 machine, the 32M benchmark model's four linears, two threads, GFLOP/s: 65 rows
-133 -> 206, 512 rows 140 -> 208, 2048 rows 126 -> 210; bfloat16 370-400 -> 395-420; a 512-token
-prefill's linears 147 -> 105 ms).
+prefill too, where the packed float32 product beats MKL's on the plain weight (figures in
+docs/performance.md, "CPU kernels").
 
 Decode-sized batches (up to `PANEL_MAX_ROWS` rows, one row included) go instead to ArborLM's
 own kernel where the CPU has it, `cpu_kernels.panel_linear` over a second copy of the weight in
 column panels (`csrc/panel_gemm.cpp`): a decode step's weights stream in from memory, where
-oneDNN loses a fifth of its speed and the panels do not (32 rows, 32M model's shapes, weights
-not cached, GFLOP/s: float32 140-175 -> 175-200, bfloat16 240-350 -> 360-390; one row streams
-at 23-44 GB/s). Its results do not depend on the batch size. Where it cannot run, the plain
+oneDNN loses a fifth of its speed and the panels do not. Its results do not depend on the batch size. Where it cannot run, the plain
 weight is kept instead: with one thread, one float32 row runs as `x @ W^T` with the weight
 stored transposed, MKL's fastest single-thread float32 GEMV (MKL does not split it over
 threads; oneDNN does). bfloat16 results of oneDNN are bit-identical to `F.linear` (the same
@@ -23,13 +19,13 @@ kernels); float32 ones differ from it in the last bits (other summation orders),
 panels' do. Two copies of each weight are kept (packed and panels, or packed and plain), so the
 linear weights take twice their memory.
 
-A oneDNN call costs ~10 µs more than MKL's for a tiny matrix, so weights below
+A oneDNN call costs microseconds more than MKL's for a tiny matrix, so weights below
 `MIN_PACKED_ELEMENTS` stay plain `nn.Linear`. Not here: quantization, GPUs (cuBLAS as is).
 
 Inside `torch.compile` (the compiled decode step) `panel_linear` is traced as an opaque call
 on the panels. The opaque oneDNN copy cannot be traced: where the panels do not serve, one row
 runs on the plain copy as `row_linear`, an elementwise product and a row sum that Inductor turns
-into one streaming C++ kernel, and more rows through `cpu_kernels.packed_linear`, an opaque C++
+into one streaming C++ kernel, and more rows through `packed_linear`, an opaque C++
 operator that looks the layer up by number and calls its packed weight (`packed_linear_py`, the
 same in Python, where the operators are not built). `row_linear` needs the weight row-major as
 `[out, in]`, so `pack_linears(transpose_fp32=False)` keeps float32 plain copies untransposed
@@ -54,9 +50,7 @@ MIN_PACKED_ELEMENTS = 1 << 16
 # Batch size the packed layout is tuned for; any batch size runs on it.
 BATCH_HINT = 32
 # Most rows a call gives the panel kernel; above it (prefill) oneDNN's blocking is as fast or
-# faster (32M and 125M shapes, weights not cached, GFLOP/s: 128 rows 208-223 against oneDNN's
-# 203-209, 192 rows 216-226 against 209-218; a 512-token prefill through the panels was 4-10%
-# slower).
+# faster (docs/performance.md, "CPU kernels").
 PANEL_MAX_ROWS = 128
 
 
@@ -93,16 +87,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # The panel kernel adds a float32 bias (before rounding, as a GEMM's epilogue does).
         self.bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.handle = next(_handles)  # how a traced graph names it (`packed_linear`)
-        # A traced call reaches the packed weight through ArborLM's C++ operator, where it is
-        # built, else through the same call written in Python (~15 us more per call).
-        _PACKED[self.handle] = self
-        self.native = not panels_only and cpu_kernels.packed_linear_available()
-        if self.native:
-            cpu_kernels.register_packed_linear(self.handle, self.packed, self.bias,
-                                               self.out_features)
-            forget = weakref.finalize(self, cpu_kernels.forget_packed_linear, self.handle)
-            forget.atexit = False  # at exit the process lets go of everything anyway
+        # How a traced graph names it (`packed_linear`); `native`: the C++ operator holds it.
+        self.handle, self.native = _register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
@@ -113,7 +99,7 @@ class PackedLinear(nn.Module):
             if rows == 1 and not self.transposed:  # no panels: a plain copy
                 return row_linear(x, self.plain, self.bias)
             if self.native:  # an opaque call with the packed weight
-                return cpu_kernels.packed_linear(x, self.handle)
+                return packed_linear(x, self.handle)
             return packed_linear_py(x, self.handle)
         single_gemv = self.transposed and rows == 1 and torch.get_num_threads() == 1
         if single_gemv:
@@ -132,15 +118,43 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+# The registry of packed layers by number, for the calls a compiled graph makes (it cannot
+# hold the opaque packed tensor): the Python operator and the traced shapes read it, and where
+# ArborLM's C++ operators are built, the C++ operator's own table (`csrc/packed_linear.cpp`,
+# so that a call stays in C++) holds the same layers, registered and forgotten with it.
 _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _handles = itertools.count()
+_fake_registered = False
+
+
+def _register(layer: PackedLinear) -> tuple[int, bool]:
+    """Give `layer` a number; returns it and whether the C++ operator holds the layer too."""
+    global _fake_registered
+    handle = next(_handles)
+    _PACKED[handle] = layer
+    native = not layer.panels_only and cpu_kernels.packed_linear_available()
+    if native:
+        if not _fake_registered:
+            torch.library.register_fake("arborlm::packed_linear")(_packed_linear_shape)
+            _fake_registered = True
+        torch.ops.arborlm.register_packed_linear(handle, layer.packed, layer.bias)
+        forget = weakref.finalize(layer, torch.ops.arborlm.forget_packed_linear, handle)
+        forget.atexit = False  # at exit the process lets go of everything anyway
+    return handle, native
+
+
+def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x `[T, in]` times layer `handle`'s packed weight (plus bias) -> `[T, out]`, through the
+    C++ operator (`mkldnn::_linear_pointwise` called without a Python frame); the layer must be
+    registered with it (`PackedLinear.native`)."""
+    return torch.ops.arborlm.packed_linear(x, handle)
 
 
 @torch.library.custom_op("arborlm::packed_linear_py", mutates_args=())
 def packed_linear_py(x: torch.Tensor, handle: int) -> torch.Tensor:
     """`PackedLinear` number `handle` on x `[T, in]`, through its packed oneDNN weight: how a
     compiled graph (which cannot hold the opaque packed tensor) calls it for batches where
-    ArborLM's C++ operators are not built (`cpu_kernels.packed_linear` otherwise)."""
+    ArborLM's C++ operators are not built (`packed_linear` otherwise)."""
     layer = _PACKED[handle]
     return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
