@@ -122,6 +122,19 @@ class Req:
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
 
+    @property
+    def may_run_ahead(self) -> bool:
+        """Whether this request's next decode steps may run ahead in one call, their tokens
+        plain argmaxes (continuous decode steps, `scheduler/decode.py`): it samples greedily,
+        nothing changes its logits (penalties, bias, a grammar, bans before `min_new_tokens`),
+        it wants no logprobs, and its newest token is its only one without KV."""
+        p = self.sampling_params
+        return (p.is_greedy and self.grammar is None and not self.return_logprob
+                and not p.frequency_penalty and not p.presence_penalty
+                and p.repetition_penalty == 1.0 and not p.logit_bias
+                and len(self.output_ids) >= p.min_new_tokens
+                and self.total_len == self.computed_len + 1)
+
     def check_lengths(self) -> None:
         assert 0 <= self.cached_len <= self.computed_len <= self.total_len, (
             self.cached_len, self.computed_len, self.total_len)

@@ -128,7 +128,7 @@ def test_eviction_frees_cache_before_retracting(path):
 
 
 def test_running_requests_are_findable_while_they_grow(path):
-    from arborlm.runtime.scheduler import scheduler as sched_mod
+    from arborlm.runtime.scheduler import decode as sched_mod
 
     d = DirectScheduler(path)
     rid = d.submit(BASE, {**GREEDY, "max_new_tokens": 3 * sched_mod.CACHE_RUNNING_EVERY})[0]

@@ -3,8 +3,8 @@
 The budget counts, in tokens:
 - `rem_total`: KV slots that are free or evictable from the prefix cache, minus the future
   tokens that running requests are expected to still need (their remaining `max_new_tokens`,
-  clipped and scaled by `new_token_ratio`, which the scheduler lowers while memory is plentiful
-  and raises after a retraction);
+  clipped and scaled by `new_token_ratio`, which decode scheduling (`decode.py`) lowers while
+  memory is plentiful and raises after a retraction);
 - `rem_input`: new prompt tokens this step may prefill (`max_prefill_tokens`);
 - `rem_chunk`: the chunk size for chunked prefill (only one request is chunked at a time);
 - `rem_reqs`: request slots (rows) left.

@@ -5,6 +5,10 @@ The logits plan lists, per request, which of its new positions need logits: the 
 next token's input logprob was asked for (`logprob_start_len`), and the last position when the
 next token is sampled. DECODE runs one token per request, `fill_ids[prefix_lens[i]]`, and
 keeps the logits of every row.
+
+The batch carries everything the later phases of the step read (its phase, its KV slots, the
+logits plan); it is built once, complete, by `prefill.py` or `decode.py`. It neither allocates
+KV slots nor changes its requests.
 """
 
 from __future__ import annotations
@@ -18,46 +22,46 @@ from arborlm.runtime.memory_pool import KVPool, ReqToTokenPool
 from arborlm.runtime.request import Req
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScheduledBatch:
     mode: ForwardMode
+    # A step of the running requests (DECODE, or an EXTEND of the tokens their grammars
+    # forced: see `decode.py`), as opposed to a prefill of newly admitted requests.
+    decoding: bool
     reqs: list[Req]
     prefix_lens: list[int]
     extend_lens: list[int]
     sample: list[bool]  # per request: sample its next token after this step
     # Per request: absolute positions p whose logits are kept for input logprobs of token p+1.
-    input_logprob_positions: list[range] = field(default_factory=list)
-    # Filled by `logits_plan`: per request, (first row in logits, n input rows, sample row | -1).
-    rows: list[tuple[int, int, int]] = field(default_factory=list)
+    input_logprob_positions: list[range]
+    # KV slots of the new tokens, request after request (already in their `req_to_token` rows).
+    out_cache_loc: torch.Tensor
+    # The logits plan: rows of the forward's hidden states that need logits, in order.
+    logits_rows: list[int] = field(init=False, repr=False)
+    # Per request: (its first row in the logits, its n input logprob rows, its sample row | -1).
+    rows: list[tuple[int, int, int]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.logits_rows, self.rows = [], []
+        start = 0
+        for i in range(self.size):
+            prefix, ext = self.prefix_lens[i], self.extend_lens[i]
+            first = len(self.logits_rows)
+            lp = self.input_logprob_positions[i]
+            self.logits_rows.extend(start + p - prefix for p in lp)
+            sample_row = -1
+            if self.sample[i]:
+                sample_row = len(self.logits_rows)
+                self.logits_rows.append(start + ext - 1)
+            self.rows.append((first, len(lp), sample_row))
+            start += ext
 
     @property
     def size(self) -> int:
         return len(self.reqs)
 
-    def logits_plan(self) -> torch.Tensor:
-        """Rows of the forward's hidden states that need logits, [N] int64."""
-        return torch.tensor(self._plan(), dtype=torch.int64)
-
-    def _plan(self) -> list[int]:
-        """`logits_plan` as a list; fills `rows`."""
-        indices: list[int] = []
-        self.rows = []
-        start = 0
-        for i in range(self.size):
-            prefix, ext = self.prefix_lens[i], self.extend_lens[i]
-            first = len(indices)
-            lp = self.input_logprob_positions[i] if self.input_logprob_positions else range(0)
-            indices.extend(start + p - prefix for p in lp)
-            sample_row = -1
-            if self.sample[i]:
-                sample_row = len(indices)
-                indices.append(start + ext - 1)
-            self.rows.append((first, len(lp), sample_row))
-            start += ext
-        return indices
-
     def to_forward_batch(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
-                         out_cache_loc: torch.Tensor, device: str) -> ForwardBatch:
+                         device: str) -> ForwardBatch:
         rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
         if self.mode.is_decode:
@@ -76,7 +80,7 @@ class ScheduledBatch:
             positions=positions.to(device),
             req_pool_indices=rows.to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            out_cache_loc=out_cache_loc.to(device),
+            out_cache_loc=self.out_cache_loc.to(device),
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
             seq_lens_cpu=seq_lens,
@@ -86,9 +90,8 @@ class ScheduledBatch:
         )
 
     def _logits_indices(self, num_tokens: int, device: str) -> torch.Tensor | None:
-        """`logits_plan()` for the forward; None when it keeps every row in order (decode)."""
-        plan = self._plan()
-        if len(plan) == num_tokens and all(self.sample) and not any(
+        """`logits_rows` for the forward; None when it keeps every row in order (decode)."""
+        if len(self.logits_rows) == num_tokens and all(self.sample) and not any(
                 map(len, self.input_logprob_positions)):
             return None  # one row per token, each sampled: the model skips the row selection
-        return torch.tensor(plan, dtype=torch.int64, device=device)
+        return torch.tensor(self.logits_rows, dtype=torch.int64, device=device)

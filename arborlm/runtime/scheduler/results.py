@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from arborlm.runtime.sampling.sampling_batch import SamplingBatch
 from arborlm.runtime.scheduler.batch import ScheduledBatch
 from arborlm.runtime.scheduler.outputs import chosen_logprobs, ids_logprobs, top_logprobs
 from arborlm.runtime.scheduler.stop_checker import StopChecker
+
+if TYPE_CHECKING:  # grammar_manager.py imports this module
+    from arborlm.runtime.scheduler.grammar_manager import GrammarManager
 
 logger = logging.getLogger(__name__)
 # The status of a request that failed inside the engine (a bug, not the caller's input).
@@ -50,12 +53,16 @@ def per_request(req: Req, stage: str) -> Iterator[None]:
 
 
 class ResultProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int):
+    """`eos_ids`: every id that ends generation by default (`eos_token_ids`); `grammar_hook`:
+    the grammar state of the requests that have a grammar (None: no request has one)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, *,
+                 eos_ids: tuple[int, ...], grammar_hook: GrammarManager | None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = config.model.context_length
-        self.eos_ids = eos_token_ids(config, tokenizer)
-        self.grammar_hook: Any = None  # set by the grammar manager when grammars are enabled
+        self.eos_ids = eos_ids
+        self.grammar_hook = grammar_hook
 
     def attach(self, req: Req) -> None:
         """Per-request state: a stop checker when the request has stop strings/regex."""
@@ -70,8 +77,8 @@ class ResultProcessor:
     def detach(self, req: Req) -> None:
         req.stop_checker = None
 
-    def process(self, batch: ScheduledBatch, logits: torch.Tensor, kv_pool: Any) -> None:
-        """`logits` [N, V] float32 in the row order of `batch.logits_plan()`."""
+    def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """`logits` [N, V] float32 in the row order of `batch.logits_rows`."""
         sample_reqs, sample_rows = [], []
         for i, req in enumerate(batch.reqs):
             first, n_input, sample_row = batch.rows[i]
@@ -174,7 +181,7 @@ class ResultProcessor:
         return SamplingBatch.build(kept, self.vocab_size, self.eos_ids), kept, rows
 
     def take_greedy(self, req: Req, tok: int) -> None:
-        """Append `tok`, chosen by a greedy step run ahead (`Scheduler._decode_ahead`) for a
+        """Append `tok`, chosen by a greedy step run ahead (`DecodeScheduler.take_ahead`) for a
         request with no grammar, logprobs or logit changes, and check whether it finished: what
         `_sample` does for such a request."""
         if req.first_token_time is None:
