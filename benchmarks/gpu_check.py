@@ -162,8 +162,8 @@ def greedy_equality(reference: list[list[int]], got: list[list[int]],
 def _attention_case(backend_name: str, bsz: int, ctx: int, new: int, decode: bool):
     """A one-layer batch with contiguous slots: `bsz` requests of `ctx` tokens, `new` of them
     new. Returns (backend, q, layer, batch)."""
-    from arborlm.runtime.attention import create_attention_backend
     from arborlm.runtime.attention.base import AttentionLayerSpec
+    from arborlm.runtime.attention.registry import create_attention_backend
     from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
     from arborlm.runtime.memory_pool import KVPool, ReqToTokenPool
 

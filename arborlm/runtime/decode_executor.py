@@ -2,7 +2,7 @@
 
 A model runner computes extends (prefill) eagerly, through its model and attention backend. A
 decode step may instead go through a faster executor, picked once by
-`arborlm.runtime.platforms.choose_decode_executor` from what the device and the engine's
+`arborlm.runtime.platforms.registry.choose_decode_executor` from what the device and the engine's
 options allow, in this order:
 
 - `CudaGraphRunner` (`platforms/cuda/graph_runner.py`): steps replayed from captured CUDA graphs;

@@ -18,12 +18,12 @@ import torch
 
 from arborlm.errors import InvalidRequestError, ModelLoadError
 from arborlm.runtime import startup
-from arborlm.runtime.attention import create_attention_backend
+from arborlm.runtime.attention.registry import create_attention_backend
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.decode_executor import DecodeExecutor, DecodeParts
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
-from arborlm.runtime.platforms import choose_decode_executor
+from arborlm.runtime.platforms.registry import choose_decode_executor
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from arborlm.runtime.attention import create_attention_backend
+from arborlm.runtime.attention.registry import create_attention_backend
 from arborlm.runtime.config import ModelConfig
 from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool

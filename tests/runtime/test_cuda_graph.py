@@ -20,8 +20,8 @@ if os.environ.get("ARBORLM_TEST_DEVICE", "cpu") == "cpu":
 
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime.attention import create_attention_backend
 from arborlm.runtime.attention.base import CudaGraphShape
+from arborlm.runtime.attention.registry import create_attention_backend
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.decode_executor import EagerDecode
 from arborlm.runtime.forward_batch import ForwardBatch, ForwardMode

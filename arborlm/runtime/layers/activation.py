@@ -2,7 +2,7 @@
 
 The MLP's gate and up projections are one matmul whose output holds `[gate | up]`;
 `silu_and_mul` computes `silu(gate) * up`, the Llama-family SwiGLU, with the layers' operator
-table (`arborlm.runtime.layers.ops_for`: PyTorch's form or a platform's one-pass kernel;
+table (`arborlm.runtime.layers.registry.ops_for`: PyTorch's form or a platform's one-pass kernel;
 traced steps keep PyTorch's). Nothing here owns parameters.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from arborlm.runtime.layers import ops_for
 from arborlm.runtime.layers.ops import TORCH_OPS
+from arborlm.runtime.layers.registry import ops_for
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """RMSNorm with the numerics of Hugging Face's `LlamaRMSNorm`, optionally fused with a residual add.
 
-The arithmetic is the layers' operator table's (`arborlm.runtime.layers.ops_for`): PyTorch's
-form (`LayerOps.rms_norm`, bit-exact with `transformers` in bfloat16) or a platform's fused
-kernel with the same rounding. Traced steps keep the PyTorch form, which Inductor fuses itself.
+The arithmetic is the layers' operator table's (`arborlm.runtime.layers.registry.ops_for`):
+PyTorch's form (`LayerOps.rms_norm`, bit-exact with `transformers` in bfloat16) or a platform's
+fused kernel with the same rounding. Traced steps keep the PyTorch form, which Inductor fuses
+itself.
 
 This module holds no parameters other than the weight and does not know about tensor
 parallelism or quantisation.
@@ -13,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from arborlm.runtime.layers import ops_for
 from arborlm.runtime.layers.ops import TORCH_OPS, LayerOps
+from arborlm.runtime.layers.registry import ops_for
 
 
 class RMSNorm(nn.Module):

@@ -2,9 +2,10 @@
 
 RMSNorm (with the numerics of Hugging Face's `LlamaRMSNorm`), a residual add fused with it,
 SwiGLU over a fused gate/up projection, and a row-wise argmax. A platform with kernels of its
-own subclasses this table (`arborlm.runtime.platforms.cpu.ops`); `arborlm.runtime.layers.ops_for`
-picks the table once per device and dtype, and the layers call whatever it picked. Traced code
-(`torch.compile`) always gets this table, which the compiler fuses itself.
+own subclasses this table (`arborlm.runtime.platforms.cpu.ops`);
+`arborlm.runtime.layers.registry.ops_for` picks the table once per device and dtype, and the
+layers call whatever it picked. Traced code (`torch.compile`) always gets this table, which the
+compiler fuses itself.
 """
 
 from __future__ import annotations

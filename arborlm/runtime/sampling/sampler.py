@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arborlm.runtime.layers import ops_for
+from arborlm.runtime.layers.registry import ops_for
 from arborlm.runtime.sampling.sampling_batch import SamplingBatch
 
 

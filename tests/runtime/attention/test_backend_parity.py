@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from arborlm.errors import ArborLMError
-from arborlm.runtime.attention import create_attention_backend
+from arborlm.runtime.attention.registry import create_attention_backend
 from arborlm.runtime.attention.torch_native import TorchNativeBackend
 from tests.runtime.attention.batches import (
     DEVICE,

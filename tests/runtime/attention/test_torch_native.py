@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arborlm.runtime.attention import create_attention_backend
+from arborlm.runtime.attention.registry import create_attention_backend
 from arborlm.runtime.attention.torch_native import TorchNativeBackend
 from arborlm.runtime.platforms.cpu.attention import CpuAttentionBackend
 from tests.runtime.attention.batches import (

@@ -1,8 +1,7 @@
 """The CPU attention backend: `torch_native` on a CPU, with ArborLM's kernels and caches.
 
-The engine serves the `torch_native` backend name with this class on a CPU (the registry in
-`arborlm.runtime.attention`). It computes what the reference backend computes, laid out for
-CPU speed:
+The engine serves the `torch_native` backend name with this class on a CPU (the registry
+`attention.registry`). It computes what the reference backend computes, laid out for CPU speed:
 
 - Extend attends request by request: with ArborLM's causal kernel (`kernels.causal_attention`,
   flash attention over register tiles) where the CPU has AVX-512, else with

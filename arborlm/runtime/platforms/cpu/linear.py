@@ -8,16 +8,16 @@ does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for any num
 prefill too, where the packed float32 product beats MKL's on the plain weight (figures in
 docs/performance.md, "CPU kernels").
 
-Decode-sized batches (up to `PANEL_MAX_ROWS` rows, one row included) go instead to ArborLM's
-own kernel where the CPU has it, `cpu_kernels.panel_linear` over a second copy of the weight in
+Decode-sized batches (up to `PANEL_MAX_ROWS` rows, one row included) go instead to ArborLM's own
+kernel where the CPU has it, `cpu_kernels.panel_linear` over a second copy of the weight in
 column panels (`csrc/panel_gemm.cpp`): a decode step's weights stream in from memory, where
-oneDNN loses a fifth of its speed and the panels do not. Its results do not depend on the batch size. Where it cannot run, the plain
-weight is kept instead: with one thread, one float32 row runs as `x @ W^T` with the weight
-stored transposed, MKL's fastest single-thread float32 GEMV (MKL does not split it over
-threads; oneDNN does). bfloat16 results of oneDNN are bit-identical to `F.linear` (the same
-kernels); float32 ones differ from it in the last bits (other summation orders), as the
-panels' do. Two copies of each weight are kept (packed and panels, or packed and plain), so the
-linear weights take twice their memory.
+oneDNN loses a fifth of its speed and the panels do not. Its results do not depend on the batch
+size. Where it cannot run, the plain weight is kept instead: with one thread, one float32 row
+runs as `x @ W^T` with the weight stored transposed, MKL's fastest single-thread float32 GEMV
+(MKL does not split it over threads; oneDNN does). bfloat16 results of oneDNN are bit-identical
+to `F.linear` (the same kernels); float32 ones differ from it in the last bits (other summation
+orders), as the panels' do. Two copies of each weight are kept (packed and panels, or packed and
+plain), so the linear weights take twice their memory.
 
 A oneDNN call costs microseconds more than MKL's for a tiny matrix, so weights below
 `MIN_PACKED_ELEMENTS` stay plain `nn.Linear`. Not here: quantization, GPUs (cuBLAS as is).

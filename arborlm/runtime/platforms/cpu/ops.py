@@ -4,7 +4,7 @@ RMSNorm (with or without the residual add) and SwiGLU run in one pass over the a
 each, with the fused decode step's arithmetic (`csrc/row_ops.h`), so that a token's norm is
 the same whichever path computes it; argmax is vectorized. Inputs a kernel does not take
 (strided rows, a weight of another dtype, float32-only argmax on other dtypes) fall back to
-the PyTorch forms of `LayerOps`. `arborlm.runtime.layers.ops_for` hands this table out
+the PyTorch forms of `LayerOps`. `arborlm.runtime.layers.registry.ops_for` hands this table out
 where `kernels.elementwise_available` holds.
 """
 
