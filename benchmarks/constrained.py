@@ -234,7 +234,7 @@ def run_alone(engine, args, backend: str) -> list[tuple]:
 
 
 def compile_rows(engine, args, backends: list[str]) -> list[tuple]:
-    from arborlm.constrained.base import create_grammar_backend
+    from arborlm.constrained import create_grammar_backend
 
     schemas = load_schemas(args.compile_schemas, args.seed)
     rows = []
@@ -265,7 +265,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from arborlm.constrained.base import create_grammar_backend
+    from arborlm.constrained import create_grammar_backend
     from arborlm.runtime.engine import Engine
 
     backends = args.backends.split(",")

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import table  # noqa: E402
 
-from arborlm.constrained.base import GrammarBackend, create_grammar_backend  # noqa: E402
+from arborlm.constrained import create_grammar_backend  # noqa: E402
+from arborlm.constrained.base import GrammarBackend  # noqa: E402
 from arborlm.constrained.bitmask import (  # noqa: E402
     _apply_numpy,
     allocate_token_bitmask,

@@ -26,8 +26,8 @@ How the engine drives it (the scheduler and sampler code against exactly this):
    speculative decoding accepts the draft tokens and `rollback`s the rejected ones; `n > 1`
    samples and DSL forks `copy()` the matcher.
 
-This module holds the contracts and the backend registry only; it imports neither engine, so a
-missing optional engine fails when it is asked for, with a clear message.
+This module holds the contracts only; it imports neither engine. The registry of engines
+(`GRAMMAR_BACKENDS`, `create_grammar_backend`) is the package's `__init__`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "choices", "structural_tag")
 ANY_JSON = "$$ANY$$"  # json_schema spec meaning "any JSON value"
-GRAMMAR_BACKENDS = ("xgrammar", "outlines")
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 MAX_JUMP_FORWARD_TOKENS = 64
 # With any_whitespace=True, JSON may hold at most this many whitespace characters between two
@@ -211,35 +210,6 @@ def parse_choices(spec: str) -> list[str]:
     if not all(isinstance(c, str) and c for c in choices):
         raise GrammarError("every choice must be a non-empty string", param="choices")
     return choices
-
-
-def create_grammar_backend(name: str, tokenizer: Any, vocab_size: int,
-                           stop_token_ids: list[int] | tuple[int, ...], *,
-                           any_whitespace: bool = False,
-                           compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                           ) -> GrammarBackend:
-    """Build the named backend for a Hugging Face `tokenizer` and a model vocabulary.
-
-    `vocab_size` is the model's (the logits' width), which may exceed the tokenizer's; every
-    id in `stop_token_ids` ends a complete grammar. `any_whitespace=False` (the default) makes
-    JSON use fixed separators; True allows flexible whitespace, still bounded per gap by
-    `ANY_WHITESPACE_MAX_RUN` characters.
-    """
-    from arborlm.constrained.vocab import TokenVocab
-
-    if name not in GRAMMAR_BACKENDS:
-        raise GrammarError(f"unknown grammar backend {name!r}; expected one of "
-                           f"{', '.join(GRAMMAR_BACKENDS)}", param="grammar_backend")
-    vocab = TokenVocab.from_tokenizer(tokenizer, vocab_size, stop_token_ids)
-    if name == "xgrammar":
-        from arborlm.constrained.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(vocab, any_whitespace=any_whitespace,
-                               compile_timeout_s=compile_timeout_s)
-    from arborlm.constrained.outlines_backend import OutlinesBackend
-
-    return OutlinesBackend(vocab, any_whitespace=any_whitespace,
-                           compile_timeout_s=compile_timeout_s)
 
 
 def _single_allowed_token(row: torch.Tensor) -> int | None:

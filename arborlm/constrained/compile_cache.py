@@ -35,13 +35,8 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from arborlm.constrained.base import (
-    DEFAULT_COMPILE_TIMEOUT_S,
-    GRAMMAR_BACKENDS,
-    CompiledGrammar,
-    GrammarBackend,
-    create_grammar_backend,
-)
+from arborlm.constrained import GRAMMAR_BACKENDS, create_grammar_backend
+from arborlm.constrained.base import DEFAULT_COMPILE_TIMEOUT_S, CompiledGrammar, GrammarBackend
 from arborlm.errors import GrammarError
 
 Key = tuple[str, str, str]

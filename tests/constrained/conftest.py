@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from arborlm.constrained.base import GrammarBackend, create_grammar_backend
+from arborlm.constrained import create_grammar_backend
+from arborlm.constrained.base import GrammarBackend
 
 VOCAB = 1024
 EOS = 2

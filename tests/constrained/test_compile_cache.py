@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from arborlm.constrained.base import GrammarBackend, create_grammar_backend
+from arborlm.constrained import create_grammar_backend
+from arborlm.constrained.base import GrammarBackend
 from arborlm.constrained.compile_cache import GrammarCompiler
 from arborlm.constrained.outlines_backend import OutlinesCompiled
 from arborlm.constrained.xgrammar_backend import XGrammarCompiled

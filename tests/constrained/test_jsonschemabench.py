@@ -14,7 +14,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from arborlm.constrained.base import CompiledGrammar, GrammarBackend, create_grammar_backend
+from arborlm.constrained import create_grammar_backend
+from arborlm.constrained.base import CompiledGrammar, GrammarBackend
 from arborlm.constrained.compile_cache import GrammarCompiler
 from arborlm.errors import GrammarError
 from tests.constrained.conftest import EOS, VOCAB

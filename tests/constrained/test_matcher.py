@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from arborlm.constrained.base import GrammarBackend, GrammarMatcher, create_grammar_backend
+from arborlm.constrained import create_grammar_backend
+from arborlm.constrained.base import GrammarBackend, GrammarMatcher
 from arborlm.constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from tests.constrained.conftest import EOS, VOCAB
 from tests.constrained.driver import closing_bias, force_text, generate

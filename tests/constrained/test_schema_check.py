@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from arborlm.constrained.base import GrammarBackend, create_grammar_backend
+from arborlm.constrained import create_grammar_backend
+from arborlm.constrained.base import GrammarBackend
 from arborlm.constrained.schema_allof import merge_all_of
 from arborlm.constrained.schema_check import check_schema_supported
 from arborlm.constrained.schema_oneof import oneof_branches_disjoint
