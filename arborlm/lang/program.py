@@ -124,7 +124,8 @@ class ProgramFunction:
         """The text every run of this program starts with (found by tracing)."""
         from arborlm.lang.tracer import extract_prefix_by_tracing
 
-        return extract_prefix_by_tracing(self, resolve_backend(backend))
+        return extract_prefix_by_tracing(self.func, self.arg_names, self.bind_arguments,
+                                         resolve_backend(backend))
 
     def cache(self, backend: Any = None) -> str:
         """Prefill the program's constant prefix in the backend's cache; returns it."""

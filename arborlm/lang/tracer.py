@@ -13,17 +13,14 @@ arguments is traced along whatever path it takes on this one run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from arborlm.lang.backends.base import BaseBackend
 from arborlm.lang.choices import ChoicesDecision
 from arborlm.lang.interpreter import StreamExecutor
 from arborlm.lang.ir import ConstantText, ExprList, GenParams
 from arborlm.lang.state import ProgramState
-
-if TYPE_CHECKING:
-    from arborlm.lang.program import ProgramFunction
 
 
 class StopTracing(Exception):
@@ -72,15 +69,19 @@ class TracingBackend(BaseBackend):
         raise StopTracing("fork")
 
 
-def extract_prefix_by_tracing(program: ProgramFunction, backend: BaseBackend) -> str:
-    """The constant text at the start of every run of `program` on `backend`."""
+def extract_prefix_by_tracing(func: Callable[..., Any], arg_names: Sequence[str],
+                              bound: Mapping[str, Any], backend: BaseBackend) -> str:
+    """The constant text at the start of every run of the program body `func` on `backend`.
+
+    `func(state, **arguments)` is a program's body, `arg_names` its arguments after the state,
+    and `bound` those fixed in advance (they count as constants; the rest become placeholders).
+    """
     tracer = TracingBackend(backend)
     executor = StreamExecutor(tracer, {}, GenParams.program_defaults(), use_thread=False)
     state = ProgramState(executor)
-    arguments = {name: program.bind_arguments.get(name, ArgumentPlaceholder(name))
-                 for name in program.arg_names}
+    arguments = {name: bound.get(name, ArgumentPlaceholder(name)) for name in arg_names}
     try:
-        program.func(state, **arguments)
+        func(state, **arguments)
     except Exception:  # noqa: BLE001 - StopTracing, or the body failing on a placeholder
         pass
     return executor.text_
