@@ -6,7 +6,6 @@ A platform's kernels where they run (`arborlm.runtime.platforms.cpu.ops`), else 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -14,16 +13,22 @@ import torch
 from arborlm.runtime.layers.ops import TORCH_OPS, LayerOps
 
 
-def ops_for(device: torch.device | str, dtype: torch.dtype) -> LayerOps:
+def ops_for(device: torch.device, dtype: torch.dtype) -> LayerOps:
     """The elementwise operators for tensors of `dtype` on `device`: a platform's kernels where
-    they run, else PyTorch's (`LayerOps`). Decided once per device type and dtype (and value of
-    `ARBORLM_CPU_KERNELS`, which turns ArborLM's CPU kernels off)."""
-    return _ops(torch.device(device).type, dtype, os.environ.get("ARBORLM_CPU_KERNELS", "1"))
+    they run, else PyTorch's (`LayerOps`). Decided on the first call for each device and dtype
+    (`ARBORLM_CPU_KERNELS=0` in the environment by then turns ArborLM's CPU kernels off)."""
+    try:
+        return _TABLES[device, dtype]
+    except KeyError:
+        table = _TABLES[device, dtype] = _choose(torch.device(device).type, dtype)
+        return table
 
 
-@functools.cache
-def _ops(device_type: str, dtype: torch.dtype, cpu_kernels_on: str) -> LayerOps:
-    if device_type == "cpu" and cpu_kernels_on != "0":
+_TABLES: dict[tuple[torch.device, torch.dtype], LayerOps] = {}
+
+
+def _choose(device_type: str, dtype: torch.dtype) -> LayerOps:
+    if device_type == "cpu" and os.environ.get("ARBORLM_CPU_KERNELS", "1") != "0":
         from arborlm.runtime.platforms.cpu import kernels
 
         if kernels.elementwise_available(dtype):
