@@ -16,14 +16,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from arborlm.radix_cache.base import PrefixCache
+from arborlm.runtime.config import SchedulePolicy, choices
 from arborlm.runtime.request import Req
 
 DEFAULT_MAX_WAIT_STEPS = 32
 
 
 class WaitingQueue:
-    def __init__(self, policy: str, cache: Any, max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS):
-        if policy not in ("fcfs", "lpm", "dfs-weight"):
+    def __init__(self, policy: str, cache: PrefixCache,
+                 max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS):
+        if policy not in choices(SchedulePolicy):
             raise ValueError(f"unknown schedule policy {policy!r}")
         self.policy = policy
         self.cache = cache
