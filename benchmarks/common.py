@@ -18,8 +18,8 @@ def off_main_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     Torch work outside the engines (building a model, a matmul peak, a transformers peer) must
     not run on the benchmark's own thread: the thread would keep an OpenMP team for the rest of
     the run, and with more OpenMP threads than cores libgomp stops spinning between parallel
-    regions, which slows the in-process engine's scheduler thread (2-core CPU, 32M bf16 batch-1
-    decode: 2.3 -> 4.6 ms/step). A thread's team ends with the thread.
+    regions, which slows the in-process engine's scheduler thread (docs/serving.md, "On a
+    CPU"). A thread's team ends with the thread.
     """
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(fn, *args, **kwargs).result()

@@ -16,14 +16,14 @@ ratios of those back-to-back pairs:
   overhead     per-token time of a tiny model (hidden 64, 2 layers) at batch 1: framework cost,
                against transformers' generate
 `--enable-torch-compile` runs ArborLM with its compiled decode step (the engine option of the
-same name; the engines then take ~10-30 s longer to start, less once Inductor's cache is warm).
+same name; the engines then take longer to start, less once Inductor's cache is warm).
 ArborLM runs greedy decode steps several per call by default (`num_continuous_decode_steps`,
 auto); `--num-continuous-decode-steps 1` measures it one step per scheduling step.
 Targets (issue 8): decode-1 >= 1.0x llama.cpp; conc-32 >= 1.5x; prefix-64 in <= 1/2 its wall;
 prefill-512 >= 90% of the fp32 peak; overhead <= 0.3 ms/token.
 
-Optional set-up for the llama.cpp peer (builds llama.cpp from source, ~10-30 min on 2 cores),
-once, in the project's virtualenv; never part of the test command:
+Optional set-up for the llama.cpp peer (builds llama.cpp from source: tens of minutes on a
+small machine), once, in the project's virtualenv; never part of the test command:
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llamacpp
     pip install /tmp/llamacpp/llama_cpp_python-0.3.36.tar.gz
@@ -246,7 +246,7 @@ def make_peer_factory(paths: dict[str, Path], src: Path | None, threads: int, ca
             gguf = convert_to_gguf(paths[model], cache / f"bench-{model}-{dtype}.gguf",
                                    GGUF_TYPES[dtype], root)
             # Unified KV (one cache all sequences attend over, masked) is what lets a prefix be
-            # shared; without sharing, per-sequence caches are faster (716 vs 563 tok/s, conc-32).
+            # shared; without sharing, per-sequence caches are faster (docs/performance.md).
             current[key] = PeerProcess(gguf, threads=threads, n_ctx=8192, n_seq=n_seq,
                                        unified_kv=workload == "prefix-64")
         return current[key]

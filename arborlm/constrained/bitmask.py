@@ -6,13 +6,13 @@ masked tokens become -inf, rows without a grammar stay untouched, and logits col
 mask (a model vocabulary padded beyond the grammar's) are masked too.
 
 On CPU the bits are unpacked with numpy and -inf is written through an integer view of each
-row (`np.copyto(..., where=bit == 0)`), which costs the same for any mask. Measured with real
-JSON masks over a 32k vocabulary (`benchmarks/grammar_engines.py`, one thread): ~20 us per
-row at p50, ~55 us at p99, against ~130 us for xgrammar's `apply_token_bitmask_inplace` CPU
+row (`np.copyto(..., where=bit == 0)`), which costs the same for any mask. With real JSON masks
+it is faster than a plain torch unpack and than xgrammar's `apply_token_bitmask_inplace` CPU
 kernel, which skips words whose 32 tokens are all allowed but walks the bits of every other
 word (real masks are either nearly all masked or allowed with scattered holes, so most words
-get walked), and ~55 us / 230 us for a naive torch unpack. On a GPU the mask is copied over and
-xgrammar's GPU kernel applies it. This module does not fill masks; matchers do.
+get walked); `benchmarks/grammar_engines.py` compares the three (figures in
+docs/performance.md). On a GPU the mask is copied over and xgrammar's GPU kernel applies it.
+This module does not fill masks; matchers do.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ class EngineArgs:
         default=32)
     enable_torch_compile: bool = option(
         "CPU: compile the decode step with torch.compile (Inductor C++ kernels) when the engine "
-        "starts (~10-30 s; cached on disk); decode batches up to torch_compile_max_bs then run "
-        "compiled, with fewer and fused kernels.", default=False)
+        "starts (a slower start-up; cached on disk); decode batches up to "
+        "torch_compile_max_bs then run compiled, with fewer and fused kernels.", default=False)
     torch_compile_max_bs: int = option(
         "Largest decode batch that runs compiled (enable_torch_compile); larger ones, and "
         "batches whose requests share a cached prefix (cascade attention), run eagerly (or "

@@ -181,7 +181,8 @@ class InProcessClient(EngineClient):
         """Build the scheduler here, then run it. Loading the model on the caller's thread
         would give that thread an OpenMP team of its own; with more OpenMP threads than cores,
         libgomp's workers stop spinning between parallel regions and every region pays for
-        waking them (2-core CPU, 32M bf16 batch-1 decode: 2.3 -> 4.6 ms/step)."""
+        waking them, which roughly halves the speed of small steps (docs/serving.md, "On a
+        CPU")."""
         try:
             self.scheduler: Scheduler = Scheduler(self.config, self.tokenizer)
         except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread

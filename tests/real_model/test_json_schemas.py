@@ -6,8 +6,8 @@ turn; decoding is greedy with at most `MAX_NEW_TOKENS` tokens. Every output that
 parse and validate against its schema (`jsonschema`), and the share that finishes must be no lower
 than transformers' with xgrammar's logits processor at the same settings (same file in float32,
 same prompts, same limit), measured by `benchmarks/real_model_json.py --reference`, whose figure
-`REFERENCE_FINISHED` records (transformers takes ~10 minutes for it on 2 cores: too long for the
-test suite).
+`REFERENCE_FINISHED` records (transformers takes many minutes for it, docs/performance.md: too
+long for the test suite).
 """
 
 from __future__ import annotations
