@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from arborlm.constrained import GRAMMAR_BACKENDS
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.request_limits import (
     INT32_MAX,
@@ -33,9 +34,6 @@ from arborlm.runtime.request_limits import (
 
 GREEDY_TEMPERATURE = 1e-6
 MAX_N = 64
-# The grammar engines a request may pick (`arborlm.constrained.GRAMMAR_BACKENDS`, repeated here
-# so that validating a request does not import the grammar package and torch).
-GRAMMAR_BACKENDS = ("xgrammar", "outlines")
 
 
 @dataclass
