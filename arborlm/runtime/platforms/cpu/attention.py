@@ -209,12 +209,12 @@ class CpuAttentionBackend(TorchNativeBackend):
         ws = self.workspace
         kernel = self._kernel_runs(batch)
         if ws.continues(batch):
-            offsets, cascade = self._layout_tensors(batch)
+            offsets, groups = self._layout_tensors(batch)
             own_lens = batch.seq_lens - offsets  # [B]
             index = ws.append_rows(own_lens - 1)  # [Hkv * B]
             width = self._workspace_width(batch, own_lens, kernel)
             return _DecodeMeta(index=None, mask=padding_mask(own_lens, width), width=width,
-                               cascade=cascade, workspace="append", append_index=index,
+                               cascade=groups, workspace="append", append_index=index,
                                lens=own_lens, kernel=kernel)
         meta, layout, own_lens = self._gather_metadata(batch, cascade=not self.deterministic)
         meta.lens, meta.kernel = own_lens, kernel
@@ -237,8 +237,8 @@ class CpuAttentionBackend(TorchNativeBackend):
         layout = self.workspace.layout
         if self._layout_cache[0] is not layout:
             offsets = torch.tensor(layout.offsets, device=batch.seq_lens.device)
-            cascade = cascade_meta(None, layout, batch.kv_pool.num_kv_heads)
-            self._layout_cache = (layout, offsets, cascade)
+            groups = cascade_meta(None, layout, batch.kv_pool.num_kv_heads)
+            self._layout_cache = (layout, offsets, groups)
         return self._layout_cache[1], self._layout_cache[2]
 
     def _workspace_width(self, batch: ForwardBatch, own_lens: torch.Tensor,

@@ -105,9 +105,9 @@ class FusedDecodeStep(DecodeExecutor):
         batch.attn_metadata = compiled_decode_metadata(batch, ahead)
         batch.logits_indices = None
         meta: CompiledDecodeMeta = batch.attn_metadata
-        cascade = cascade_inputs(batch, ahead) if self.cascade else None
+        inputs = cascade_inputs(batch, ahead) if self.cascade else None
         own, lens, prefix_slots, prefix_lens, groups = \
-            cascade if cascade is not None else (meta.slots, meta.seq_lens, None, None, None)
+            inputs if inputs is not None else (meta.slots, meta.seq_lens, None, None, None)
         scale, heads, kv_heads, head_dim = self.shape
         return torch.ops.arborlm.decode_steps(
             batch.input_ids, batch.positions, slots, own, lens, self.weights, self.k_pool,
