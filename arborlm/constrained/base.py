@@ -16,7 +16,9 @@ How the engine drives it (the scheduler and sampler code against exactly this):
    `req.grammar.fill_bitmask(mask, i)` for every row i with a grammar;
    `apply_token_bitmask_(logits, mask, rows)` after logit bias and penalties, before
    temperature / top-k / top-p / sampling.
-3. After sampling t: `req.grammar.accept_token(t)` (True by construction of the mask);
+3. After sampling t: `req.grammar.check_token(t)`; a reason (a JSON schema's semantic guard
+   found a violation) bans t for this step and samples again, a bounded number of times, then
+   aborts with the reason. Then `req.grammar.accept_token(t)` (True by construction of the mask);
    `is_terminated()` then means finish with `stop`, matched = t (also under `ignore_eos`: a
    complete grammar allows nothing but its stop tokens).
 4. Jump-forward: `forced = req.grammar.find_jump_forward_tokens()`; accept each, append them
@@ -108,6 +110,16 @@ class GrammarMatcher(abc.ABC):
     def reset(self) -> None:
         """Return to the initial state, forgetting every accepted token."""
 
+    def check_token(self, token_id: int) -> str | None:
+        """Whether accepting `token_id` (which the mask allows) would close a JSON value that
+        violates its subschema, or make a string too long: a reason naming the instance and
+        the schema keyword by JSON pointer, or None. State unchanged. The decode loop asks
+        after sampling; on a reason it bans that token for the step and samples again (a
+        bounded number of times, then aborts with the reason). Without a semantic guard
+        (every grammar but a JSON schema with keywords the grammar cannot express) None.
+        """
+        return None
+
     def find_jump_forward_tokens(self, max_tokens: int = MAX_JUMP_FORWARD_TOKENS) -> list[int]:
         """The tokens the grammar forces from here, one at a time; state unchanged.
 
@@ -122,7 +134,8 @@ class GrammarMatcher(abc.ABC):
         while len(forced) < max_tokens and not self.is_terminated():
             self.fill_bitmask(row, 0)
             token = _single_allowed_token(row[0])
-            if token is None or not self.accept_token(token):
+            if token is None or self.check_token(token) is not None or \
+                    not self.accept_token(token):
                 break
             forced.append(token)
             if token in self.stop_token_ids:
@@ -136,6 +149,9 @@ class CompiledGrammar(abc.ABC):
 
     kind: str
     spec: str
+    # What this grammar does not enforce (non-strict JSON schemas only): "pointer/keyword
+    # (reason)" each; empty when everything is enforced by the grammar or its semantic guard.
+    unenforced: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def matcher(self) -> GrammarMatcher:
@@ -165,15 +181,20 @@ class GrammarBackend(abc.ABC):
         self.any_whitespace = any_whitespace
         self.compile_timeout_s = compile_timeout_s
 
-    def compile(self, kind: str, spec: str) -> CompiledGrammar:
-        """Compile `spec` of grammar `kind` (one of `GRAMMAR_KINDS`)."""
+    def compile(self, kind: str, spec: str, *, strict: bool = True) -> CompiledGrammar:
+        """Compile `spec` of grammar `kind` (one of `GRAMMAR_KINDS`).
+
+        `strict` matters for `json_schema` only. Strict (the default): refuse what neither the
+        grammar, an exact rewrite nor the semantic guard can enforce. Not strict: accept it
+        and list it in the result's `unenforced`.
+        """
         if kind not in GRAMMAR_KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}; expected one of "
                                f"{', '.join(GRAMMAR_KINDS)}", param=kind)
         if not isinstance(spec, str):
             raise GrammarError(f"{kind} must be a string, got {type(spec).__name__}", param=kind)
         if kind == "json_schema":
-            return self._compile_json_schema(spec)
+            return self._compile_json_schema(spec, strict)
         if kind == "regex":
             return self._compile_regex(spec)
         if kind == "ebnf":
@@ -183,7 +204,7 @@ class GrammarBackend(abc.ABC):
         return self._compile_structural_tag(spec)
 
     @abc.abstractmethod
-    def _compile_json_schema(self, spec: str) -> CompiledGrammar: ...
+    def _compile_json_schema(self, spec: str, strict: bool) -> CompiledGrammar: ...
 
     @abc.abstractmethod
     def _compile_regex(self, spec: str) -> CompiledGrammar: ...

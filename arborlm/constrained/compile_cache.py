@@ -5,7 +5,7 @@ polls `future.done()` each step; the request waits in its `grammar` state meanwh
 other request is held up. Both engines release the GIL while compiling, so compiles run truly
 beside the scheduler thread.
 
-- Cache: bounded LRU keyed by (backend, kind, spec). Concurrent submits of one key share one
+- Cache: bounded LRU keyed by (backend, kind, spec, strict). Concurrent submits of one key share one
   compile. Failures are cached too, for `error_ttl_s`, so a client repeating a bad schema costs
   a dictionary lookup; after that the spec is tried again.
 - Time limit: a compile that runs longer than its backend's `compile_timeout_s` resolves to
@@ -39,7 +39,7 @@ from arborlm.constrained import GRAMMAR_BACKENDS, create_grammar_backend
 from arborlm.constrained.base import DEFAULT_COMPILE_TIMEOUT_S, CompiledGrammar, GrammarBackend
 from arborlm.errors import GrammarError
 
-Key = tuple[str, str, str]
+Key = tuple[str, str, str, bool]  # backend, kind, spec, strict
 
 
 @dataclass
@@ -97,13 +97,15 @@ class GrammarCompiler:
 
         return cls(make, default_backend, **kwargs)
 
-    def submit(self, kind: str, spec: str, backend: str | None = None) -> Future:
-        """A future of the `CompiledGrammar` for (kind, spec); it fails with `GrammarError`."""
+    def submit(self, kind: str, spec: str, backend: str | None = None, *,
+               strict: bool = True) -> Future:
+        """A future of the `CompiledGrammar` for (kind, spec); it fails with `GrammarError`.
+        `strict` as in `GrammarBackend.compile` (it only matters for json_schema)."""
         name = backend or self.default_backend
         if name not in GRAMMAR_BACKENDS:
             return _failed(GrammarError(f"unknown grammar backend {name!r}; expected one of "
                                         f"{', '.join(GRAMMAR_BACKENDS)}", param="grammar_backend"))
-        key = (name, kind, spec)
+        key = (name, kind, spec, bool(strict) or kind != "json_schema")
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and _expired(entry):
@@ -178,7 +180,7 @@ class _Job:
         self._holds_slot = False
 
     def run(self) -> None:
-        name, kind, spec = self.key
+        name, kind, spec, strict = self.key
         try:
             backend = self.compiler.backend(name)
         except Exception as e:  # a backend that cannot be built fails its requests alone
@@ -189,7 +191,7 @@ class _Job:
         timeout = backend.compile_timeout_s
         self.compiler._watchdog.watch(time.monotonic() + timeout, lambda: self.expire(timeout))
         try:
-            result, error = backend.compile(kind, spec), None
+            result, error = backend.compile(kind, spec, strict=strict), None
         except Exception as e:
             result, error = None, _as_grammar_error(e, kind)
         finally:

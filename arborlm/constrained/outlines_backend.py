@@ -24,7 +24,6 @@ import torch
 from outlines_core.json_schema import build_regex_from_schema
 
 from arborlm.constrained.base import (
-    ANY_JSON,
     ANY_WHITESPACE_MAX_RUN,
     DEFAULT_COMPILE_TIMEOUT_S,
     CompiledGrammar,
@@ -32,8 +31,9 @@ from arborlm.constrained.base import (
     GrammarMatcher,
     parse_choices,
 )
-from arborlm.constrained.schema_check import checked_schema
-from arborlm.constrained.schema_rewrite import rewrite_schema
+from arborlm.constrained.guarded_matcher import guarded
+from arborlm.constrained.schema_guard import GuardPlan
+from arborlm.constrained.schema_prepare import prepare_json_schema
 from arborlm.constrained.vocab import TokenVocab
 from arborlm.errors import GrammarError
 
@@ -53,16 +53,17 @@ class OutlinesBackend(GrammarBackend):
         self._vocabulary = outlines_core.Vocabulary(vocab.stop_token_ids[0],
                                                     vocab.text_token_ids())
 
-    def _compile_json_schema(self, spec: str) -> CompiledGrammar:
-        schema = checked_schema("{}" if spec == ANY_JSON else spec, self.name)
+    def _compile_json_schema(self, spec: str, strict: bool) -> CompiledGrammar:
+        prepared = prepare_json_schema(spec, self.name, strict)
         try:
-            regex = build_regex_from_schema(json.dumps(rewrite_schema(schema, self.name)),
-                                            self.whitespace)
+            regex = build_regex_from_schema(json.dumps(prepared.schema), self.whitespace)
         except Exception as e:  # outlines raises ValueError/TypeError with a readable message
             message = " ".join(str(e).split("\n")[0].split())
             raise GrammarError(f"invalid json_schema for outlines: {message}",
                                param="json_schema") from e
-        return self._index("json_schema", spec, regex)
+        compiled = self._index("json_schema", spec, regex)
+        compiled.guard, compiled.unenforced = prepared.guard, prepared.unenforced
+        return compiled
 
     def _compile_regex(self, spec: str) -> CompiledGrammar:
         return self._index("regex", spec, spec)
@@ -105,9 +106,10 @@ class OutlinesCompiled(CompiledGrammar):
         self.spec = spec
         self._index = index
         self._vocab = vocab
+        self.guard: GuardPlan | None = None  # a JSON schema's semantic guard
 
-    def matcher(self) -> OutlinesMatcher:
-        return OutlinesMatcher(self._index, self._vocab)
+    def matcher(self) -> GrammarMatcher:
+        return guarded(OutlinesMatcher(self._index, self._vocab), self.guard, self._vocab)
 
 
 class OutlinesMatcher(GrammarMatcher):

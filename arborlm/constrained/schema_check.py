@@ -14,6 +14,11 @@ without `then`/`else`, and `oneOf` whose branches provably never both match (bot
 `oneOf` as `anyOf`, which is exact only then). Custom `format` names are annotations; standard
 formats an engine cannot check are reported.
 
+`schema_problems` returns the same findings as `Problem`s that also say whether the semantic
+guard (`schema_guard`) can enforce them when each value closes: everything except references
+outside the schema, standard formats `jsonschema` cannot check either, and (outlines) text the
+engine would write as invalid JSON.
+
 This module does not compile anything and checks only what the engines would drop; a schema
 that is invalid in other ways is left to the engine's own error.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from arborlm.constrained.schema_allof import merge_all_of
@@ -65,6 +71,21 @@ _SCHEMA_VALUES = ("additionalProperties", "not", "if", "then", "else", "contains
                   "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 
+@dataclass(frozen=True)
+class Problem:
+    """A keyword the engine would drop: where (JSON pointer), which, why, and whether the
+    semantic guard can check it instead."""
+
+    pointer: str  # of the schema node holding the keyword, "#/..."
+    keyword: str
+    reason: str
+    guardable: bool
+    node: Any = field(compare=False, repr=False, hash=False)  # that schema node (a dict)
+
+    def __str__(self) -> str:
+        return f"{self.pointer}/{self.keyword} ({self.reason})"
+
+
 def parse_schema(spec: str) -> dict[str, Any] | bool:
     """Parse a json_schema spec; it must be a JSON object (or true/false)."""
     try:
@@ -94,7 +115,7 @@ def iter_schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
         if isinstance(node, dict) and id(node) not in seen:
             seen.add(id(node))
             yield node
-            stack.extend(child for _, child in _subschemas(node))
+            stack.extend(child for _, child in subschemas(node))
             for key in ("$defs", "definitions"):
                 if isinstance(node.get(key), dict):
                     stack.extend(node[key].values())
@@ -107,15 +128,46 @@ def supports_format(backend: str, name: Any) -> bool:
 
 def check_schema_supported(schema: dict[str, Any] | bool, backend: str = "xgrammar") -> None:
     """Raise `GrammarError` listing every keyword `backend` would drop, with its location."""
-    problems: list[str] = []
-    _walk(schema, "#", backend, schema, problems, set())
+    problems = schema_problems(schema, backend)
     if problems:
-        shown = "; ".join(problems[:12]) + ("; ..." if len(problems) > 12 else "")
         raise GrammarError(f"json_schema uses keywords the {backend} grammar backend cannot "
-                           f"enforce: {shown}", param="json_schema")
+                           f"enforce: {format_problems(problems)}", param="json_schema")
 
 
-def _walk(node: Any, where: str, backend: str, root: Any, problems: list[str],
+def schema_problems(schema: dict[str, Any] | bool, backend: str = "xgrammar") -> list[Problem]:
+    """Every keyword `backend` would drop in the subschemas reachable from the root."""
+    problems: list[Problem] = []
+    _walk(schema, "#", backend, schema, problems, set())
+    return problems
+
+
+def format_problems(problems: list[Problem], limit: int = 12) -> str:
+    shown = [str(p) for p in problems[:limit]]
+    return "; ".join(shown) + ("; ..." if len(problems) > limit else "")
+
+
+def _guardable(key: str, value: Any, reason: str) -> bool:
+    """Whether `jsonschema`, run on each closed value, checks what the engine drops."""
+    if key == "$ref" or reason.startswith("outlines ") or key == "items":
+        return False  # the engine cannot build it (or builds invalid JSON): nothing to guard
+    if key == "format":
+        return value in _checkable_formats()
+    return True
+
+
+def _checkable_formats() -> frozenset[str]:
+    global _CHECKABLE
+    if _CHECKABLE is None:
+        from jsonschema import FormatChecker
+
+        _CHECKABLE = frozenset(FormatChecker().checkers)
+    return _CHECKABLE
+
+
+_CHECKABLE: frozenset[str] | None = None
+
+
+def _walk(node: Any, where: str, backend: str, root: Any, problems: list[Problem],
           visited: set[str]) -> None:
     """Check `node` and every subschema reachable from it; definitions are checked when a
     local `$ref` reaches them (once each), so unused definitions cannot fail a schema."""
@@ -124,16 +176,16 @@ def _walk(node: Any, where: str, backend: str, root: Any, problems: list[str],
     for key, value in node.items():
         reason = _unsupported(key, value, node, backend, root)
         if reason:
-            problems.append(f"{where}/{key} ({reason})")
+            problems.append(Problem(where, key, reason, _guardable(key, value, reason), node))
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#") and ref not in visited:
         visited.add(ref)
         _walk(lookup_ref(root, ref), ref, backend, root, problems, visited)
-    for key, child in _subschemas(node):
+    for key, child in subschemas(node):
         _walk(child, f"{where}/{key}", backend, root, problems, visited)
 
 
-def _subschemas(node: dict[str, Any]):
+def subschemas(node: dict[str, Any]):
     """(relative pointer, subschema) for every place a subschema can sit."""
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):

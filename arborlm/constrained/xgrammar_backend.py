@@ -7,8 +7,9 @@ valid for the schema, and a model cannot pad an object with keys nobody asked fo
 wants extra keys says so with `additionalProperties` (true or a schema), which xgrammar honours.
 Whitespace: fixed separators `", "` and `": "` by default; with `any_whitespace` any JSON
 whitespace, at most `ANY_WHITESPACE_MAX_RUN` characters per gap. Patterns are matched whole
-(as if anchored). Keywords xgrammar would drop are rejected first by `schema_check`, and
-`schema_rewrite` narrows date/time formats to real dates.
+(as if anchored). `schema_prepare` rewrites the schema first and decides what xgrammar would
+drop: the semantic guard (`schema_guard`, wrapped around each matcher) checks that, or it is
+refused (strict) or listed in `unenforced`.
 
 Every grammar (JSON, regex, EBNF) is built as an xgrammar `Grammar`, printed, narrowed by
 `narrow_char_classes` (no UTF-16 surrogates; no raw control characters in JSON strings) and
@@ -26,7 +27,6 @@ import torch
 import xgrammar as xgr
 
 from arborlm.constrained.base import (
-    ANY_JSON,
     ANY_WHITESPACE_MAX_RUN,
     DEFAULT_COMPILE_TIMEOUT_S,
     CompiledGrammar,
@@ -34,8 +34,9 @@ from arborlm.constrained.base import (
     GrammarMatcher,
     parse_choices,
 )
-from arborlm.constrained.schema_check import checked_schema
-from arborlm.constrained.schema_rewrite import rewrite_schema
+from arborlm.constrained.guarded_matcher import guarded
+from arborlm.constrained.schema_guard import GuardPlan
+from arborlm.constrained.schema_prepare import prepare_json_schema
 from arborlm.constrained.vocab import TokenVocab
 from arborlm.errors import GrammarError
 
@@ -61,13 +62,15 @@ class XGrammarBackend(GrammarBackend):
                                              max_threads=min(4, os.cpu_count() or 1),
                                              cache_enabled=False)
 
-    def _compile_json_schema(self, spec: str) -> CompiledGrammar:
-        schema = checked_schema("{}" if spec == ANY_JSON else spec, self.name)
-        text = json.dumps(rewrite_schema(schema, self.name))
+    def _compile_json_schema(self, spec: str, strict: bool) -> CompiledGrammar:
+        prepared = prepare_json_schema(spec, self.name, strict)
+        text = json.dumps(prepared.schema)
         ws = {"any_whitespace": True, "max_whitespace_cnt": ANY_WHITESPACE_MAX_RUN} \
             if self.any_whitespace else {"any_whitespace": False}
-        return self._wrap("json_schema", spec, lambda: self._compile_narrowed(
+        compiled = self._wrap("json_schema", spec, lambda: self._compile_narrowed(
             xgr.Grammar.from_json_schema(text, strict_mode=True, **ws), _JSON_EXCLUDED))
+        compiled.guard, compiled.unenforced = prepared.guard, prepared.unenforced
+        return compiled
 
     def _compile_regex(self, spec: str) -> CompiledGrammar:
         return self._wrap("regex", spec,
@@ -98,21 +101,21 @@ class XGrammarBackend(GrammarBackend):
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own types
             raise GrammarError(f"invalid {kind}: {_clean_message(e)}", param=kind) from e
-        return XGrammarCompiled(kind, spec, compiled, self.vocab_size, self.stop_token_ids)
+        return XGrammarCompiled(kind, spec, compiled, self.vocab)
 
 
 class XGrammarCompiled(CompiledGrammar):
-    def __init__(self, kind: str, spec: str, compiled: xgr.CompiledGrammar, vocab_size: int,
-                 stop_token_ids: tuple[int, ...]):
+    def __init__(self, kind: str, spec: str, compiled: xgr.CompiledGrammar, vocab: TokenVocab):
         self.kind = kind
         self.spec = spec
         self._compiled = compiled
-        self._vocab_size = vocab_size
-        self._stop_token_ids = stop_token_ids
+        self._vocab = vocab
+        self.guard: GuardPlan | None = None  # a JSON schema's semantic guard
 
-    def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self._compiled), self._vocab_size,
-                               self._stop_token_ids)
+    def matcher(self) -> GrammarMatcher:
+        return guarded(XGrammarMatcher(xgr.GrammarMatcher(self._compiled),
+                                       self._vocab.vocab_size, self._vocab.stop_token_ids),
+                       self.guard, self._vocab)
 
 
 class XGrammarMatcher(GrammarMatcher):

@@ -1,0 +1,46 @@
+"""`prepare_json_schema`: a json_schema spec made ready for an engine, with its guard plan.
+
+The one path both backends take for the `json_schema` kind: parse; exact rewrites
+(`schema_allof.merge_all_of`, `schema_required.define_required`); narrowing rewrites
+(`schema_rewrite`); then `schema_check.schema_problems` lists what the engine would drop. What
+the semantic guard can check becomes a `schema_guard.GuardPlan`; the rest is refused in strict
+mode (a `GrammarError` naming each keyword by JSON pointer, for a 400) or, non-strict, listed
+in `unenforced`. Nothing is dropped silently.
+
+It compiles nothing; the backend compiles `schema` and hands the plan to its matchers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from arborlm.constrained.base import ANY_JSON
+from arborlm.constrained.schema_allof import merge_all_of
+from arborlm.constrained.schema_check import format_problems, parse_schema, schema_problems
+from arborlm.constrained.schema_guard import GuardPlan
+from arborlm.constrained.schema_required import define_required
+from arborlm.constrained.schema_rewrite import rewrite_schema
+from arborlm.errors import GrammarError
+
+
+@dataclass(frozen=True)
+class PreparedSchema:
+    schema: Any  # what the engine compiles
+    guard: GuardPlan | None  # None when the grammar enforces everything
+    unenforced: tuple[str, ...]  # non-strict only: "pointer/keyword (reason)" each
+
+
+def prepare_json_schema(spec: str, backend: str, strict: bool = True) -> PreparedSchema:
+    schema = merge_all_of(parse_schema("{}" if spec == ANY_JSON else spec))
+    schema = rewrite_schema(define_required(schema), backend)
+    problems = schema_problems(schema, backend)
+    refused = [p for p in problems if not p.guardable]
+    if refused and strict:
+        raise GrammarError(f"json_schema uses keywords that neither the {backend} grammar "
+                           f"backend nor its semantic guard can enforce: "
+                           f"{format_problems(refused)} (not strict: generate anyway and "
+                           "report them)", param="json_schema")
+    guarded = [p for p in problems if p.guardable]
+    plan = GuardPlan(schema, guarded) if guarded else None
+    return PreparedSchema(schema, plan, tuple(str(p) for p in refused))
