@@ -58,6 +58,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     sampling_seed: int | None = None
     json_schema: str | None = None
+    # Strict (the default): a schema whose every keyword cannot be guaranteed is refused (400
+    # naming the JSON pointer). False: accepted; the response lists what is not enforced and
+    # whether the output validated (`json_schema_unenforced`, `json_schema_valid`).
+    json_schema_strict: bool = True
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
@@ -136,7 +140,7 @@ class SamplingParams:
         check_float(self.repetition_penalty, "repetition_penalty", 0, 2, lo_open=True)
         check_int(self.n, "n", 1, MAX_N)
         for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "json_schema_strict"):
             check_bool(getattr(self, name), name)
         self._validate_stops()
         if self.sampling_seed is not None:

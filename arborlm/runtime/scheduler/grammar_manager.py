@@ -5,8 +5,11 @@ grammar costs it one emptiness check per step. For a request with a grammar (`sa
 grammar` is (kind, spec)):
 
 1. `submit(req)` on arrival sends the compile to `GrammarCompiler`'s thread pool (cached by
-   (backend, kind, spec)). The request stays in the waiting queue and admission skips it while
-   `is_pending(req)`, so the requests behind it go ahead; nothing blocks on a compile.
+   (backend, kind, spec, strict)). A JSON schema compiles strict unless the request's
+   `json_schema_strict` is false: strict refuses what cannot be guaranteed (a 400 naming the
+   JSON pointer), non-strict accepts it and lists it in `CompiledGrammar.unenforced`. The
+   request stays in the waiting queue and admission skips it while `is_pending(req)`, so the
+   requests behind it go ahead; nothing blocks on a compile.
 2. `poll()` at the start of each step gives each request whose compile has finished its own
    matcher (`req.grammar`), and returns those whose compile failed (invalid or unsupported
    spec, time limit), each marked finished with an abort, status 400 and the compiler's message,
@@ -18,13 +21,21 @@ grammar` is (kind, spec)):
    are untouched). `accept(req, token)` advances the matcher; `is_terminated(req)` means the
    request finishes with `stop`. A matcher that raises (making or filling a mask here; accepting,
    terminating or jump-forward in `results.py`) fails its own request (abort, 500), not the step.
-4. Jump-forward: `jump_forward(req, limit)` lists the tokens the grammar forces next. The result
+4. The semantic guard (what a mask cannot express: `not`, `uniqueItems`, overlapping `oneOf`,
+   string lengths, ...): `check(req, token)` asks the matcher whether accepting a sampled or
+   forced token would close a JSON value that violates its subschema (`GrammarMatcher.
+   check_token`, state unchanged) and returns the reason. The result processor then bans that
+   token for this step and samples the request's row again (`ban` counts the bans: at most
+   `MAX_GUARD_BANS_PER_STEP` at one position and `MAX_GUARD_BANS_PER_REQUEST` in all); when
+   the bans run out, or the mask minus the bans leaves no token, `dead_end` finishes that
+   request alone with `abort` (status 400) and a message naming the reason.
+5. Jump-forward: `jump_forward(req, limit)` lists the tokens the grammar forces next. The result
    processor appends them (logprob 0.0: each is the only token the mask leaves) without masking
    or sampling them, and the scheduler computes their KV: in one extend step when the batch
    holds enough forced tokens (always for a lone request), else one per decode step. Every
    forced token is the only legal one, so outputs are those of decoding token by token, greedy
    or sampled.
-5. `release(req)` on finish or abort drops the matcher, or cancels the pending compile.
+6. `release(req)` on finish or abort drops the matcher, or cancels the pending compile.
    Retraction keeps the matcher: the output tokens are kept, and it has accepted exactly them.
 
 Parallel samples (`n > 1`) are separate requests: they share the compiled grammar and each gets
@@ -48,6 +59,13 @@ from arborlm.runtime.request import FinishReason, Req
 from arborlm.runtime.sampling_params import SamplingParams
 from arborlm.runtime.scheduler.results import fail_request, per_request
 
+# The semantic guard's retries: tokens it may ban at one output position (each ban resamples the
+# request's row without the banned tokens), and in a whole request. Past either, or when the
+# grammar mask minus the bans allows nothing, the request ends with `abort` and this status.
+MAX_GUARD_BANS_PER_STEP = 16
+MAX_GUARD_BANS_PER_REQUEST = 64
+GUARD_DEAD_END_STATUS = 400
+
 
 class GrammarManager:
     def __init__(self, args: EngineArgs, tokenizer: Any, vocab_size: int,
@@ -61,17 +79,22 @@ class GrammarManager:
         self.jump_forward_enabled = not args.disable_jump_forward
         self._pending: dict[Req, Future] = {}
         self._active = 0  # requests holding a matcher
+        self._bans: dict[Req, int] = {}  # guard bans so far, per request that had any
+        self.guard_bans = 0  # in all, since start
         self._bitmask = allocate_token_bitmask(1, vocab_size)  # [rows, W], grown on demand
 
     # --- compiling ----------------------------------------------------------------------------
 
     def compile(self, params: SamplingParams) -> Future | None:
         """The compile of `params`' grammar (None without one). Thread-safe: a client may call
-        it to reject a bad grammar before queuing; the scheduler then finds it cached."""
+        it to reject a bad grammar before queuing; the scheduler then finds it cached. A JSON
+        schema with `json_schema_strict` false compiles non-strict."""
         grammar = params.grammar
         if grammar is None:
             return None
         kind, spec = grammar
+        if kind == "json_schema" and not params.json_schema_strict:
+            return self.compiler.submit(kind, spec, params.grammar_backend, strict=False)
         return self.compiler.submit(kind, spec, params.grammar_backend)
 
     def submit(self, req: Req) -> None:
@@ -129,6 +152,8 @@ class GrammarManager:
         if req.grammar is not None:
             req.grammar = None
             self._active -= 1
+        if self._bans:
+            self._bans.pop(req, None)
 
     # --- the decode loop (ResultProcessor.grammar_hook) ----------------------------------------
 
@@ -169,6 +194,33 @@ class GrammarManager:
                 "is left to generate", 400)
         return False
 
+    # --- the semantic guard ---------------------------------------------------------------------
+
+    @staticmethod
+    def check(req: Req, token: int) -> str | None:
+        """Why accepting `token` would break `req`'s schema (a value that closes invalid, a string
+        too long), or None; the matcher is unchanged."""
+        return req.grammar.check_token(token)
+
+    def ban(self, req: Req, bans_this_step: int) -> bool:
+        """Count a guard ban of `req`, its `bans_this_step`-th at this position (this one
+        included); False, counting nothing, when that is more than `MAX_GUARD_BANS_PER_STEP`
+        or `req` already had `MAX_GUARD_BANS_PER_REQUEST`: the request is at a dead end."""
+        total = self._bans.get(req, 0)
+        if bans_this_step > MAX_GUARD_BANS_PER_STEP or total >= MAX_GUARD_BANS_PER_REQUEST:
+            return False
+        self._bans[req] = total + 1
+        self.guard_bans += 1
+        return True
+
+    def dead_end(self, req: Req, reason: str, what: str) -> None:
+        """Finish `req` alone: the guard rejected its token (`reason`) and `what` is left."""
+        kind = req.sampling_params.grammar[0]
+        bans = self._bans.get(req, 0)
+        req.finished_reason = FinishReason.abort(
+            f"{kind} guard: {reason}; {what} (after {bans} guard ban{'s' * (bans != 1)} in this "
+            "request): generation stopped", GUARD_DEAD_END_STATUS)
+
     def is_terminated(self, req: Req) -> bool:
         return req.grammar.is_terminated()
 
@@ -181,5 +233,6 @@ class GrammarManager:
     def info(self) -> dict[str, Any]:
         stats = self.compiler.stats
         return {"grammar_compiling": len(self._pending), "grammar_active": self._active,
+                "grammar_guard_bans": self.guard_bans,
                 "grammar_cache_hits": stats.hits, "grammar_cache_misses": stats.misses,
                 "grammar_errors": stats.errors, "grammar_timeouts": stats.timeouts}

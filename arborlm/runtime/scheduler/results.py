@@ -6,10 +6,21 @@ logprobs, append the token and decide whether the request is finished (stop toke
 stop regex, length, context limit, grammar end). For a request with a grammar, then append the
 tokens the grammar forces next (jump-forward), each checked like a sampled one. Grammar state
 is `grammar_hook`'s (the scheduler's `GrammarManager`); this module only calls it.
+
+The semantic guard: a sampled token that the grammar's guard rejects (it would close a JSON value
+that violates its subschema) is banned for this step and the request's row is sampled again from
+the same processed, masked logits minus the banned tokens, with the same sampling parameters and
+the same seed and position, so seeded sampling stays deterministic. When the guard's bans run
+out, or nothing is left, the request alone finishes with `abort`; a forced (jump-forward) token
+the guard rejects is such a dead end too. The logprobs of a resampled token (and its top / ids
+logprobs) are the log-softmax of that final row: penalties, bias, bans, the grammar mask and the
+guard's bans applied (banned tokens -inf, the rest renormalized), before temperature and
+truncation, like every constrained token's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -22,7 +33,7 @@ import torch
 
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.request import FinishReason, Req
-from arborlm.runtime.sampling.sampler import process_logits, sample
+from arborlm.runtime.sampling.sampler import SampleOutput, process_logits, sample
 from arborlm.runtime.sampling.sampling_batch import SamplingBatch
 from arborlm.runtime.scheduler.batch import ScheduledBatch
 from arborlm.runtime.scheduler.outputs import chosen_logprobs, ids_logprobs, top_logprobs
@@ -140,11 +151,19 @@ class ResultProcessor:
             grammar.apply_mask(reqs, logits)
         out = sample(logits, sb)
         ids = out.next_ids.tolist()
-        chosen = chosen_logprobs(out.logprobs, out.next_ids) if out.logprobs is not None else None
+        if grammar is not None and grammar.num_active:
+            for i, req in enumerate(reqs):
+                if req.grammar is not None and not req.finished:
+                    with per_request(req, "grammar guard"):
+                        ids[i] = self._guard(req, i, ids[i], logits, sb, out)
+        chosen = None
+        if out.logprobs is not None:
+            chosen = chosen_logprobs(out.logprobs, torch.tensor(ids, dtype=torch.int64,
+                                                                device=out.logprobs.device))
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(reqs, ids)):
             if req.finished:
-                continue  # its grammar mask failed (`GrammarManager.apply_mask`)
+                continue  # its grammar mask or guard ended it (`GrammarManager`)
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.grammar is not None:
@@ -162,6 +181,30 @@ class ResultProcessor:
             if req.grammar is not None and not req.finished:
                 with per_request(req, "grammar jump-forward"):
                     self._jump_forward(req)
+
+    def _guard(self, req: Req, row: int, tok: int, logits: torch.Tensor, sb: SamplingBatch,
+               out: SampleOutput) -> int:
+        """The token `req` takes at `row`: `tok` if its guard accepts it, else one sampled
+        again with every rejected token banned (`logits[row]` set to -inf there, and
+        `out.logprobs[row]` recomputed from it). At a dead end `req` is finished instead (the
+        returned token is then unused)."""
+        grammar = self.grammar_hook
+        reason = grammar.check(req, tok)
+        bans = 0
+        while reason is not None:
+            bans += 1
+            if not grammar.ban(req, bans):
+                grammar.dead_end(req, reason, "the guard's retries ran out")
+                return tok
+            logits[row, tok] = float("-inf")
+            if not bool((logits[row] > float("-inf")).any()):
+                grammar.dead_end(req, reason, "the grammar allows no other token")
+                return tok
+            tok = int(sample(logits[row:row + 1], _row_batch(sb, row)).next_ids[0])
+            reason = grammar.check(req, tok)
+        if bans and out.logprobs is not None:
+            out.logprobs[row] = torch.log_softmax(logits[row], dim=-1)
+        return tok
 
     def _sampling_batch(self, reqs: list[Req], logits: torch.Tensor
                         ) -> tuple[SamplingBatch, list[Req], torch.Tensor]:
@@ -205,12 +248,18 @@ class ResultProcessor:
         top logprobs are itself alone; every other id is -inf). Stops where a token would
         finish the request, or where it would be banned (a stop token before
         `min_new_tokens`): decoding then samples at that point as usual. The scheduler computes
-        their KV and counts the decode steps that saves.
+        their KV and counts the decode steps that saves. A forced token the semantic guard
+        rejects leaves nothing to sample: the request finishes with `abort` there.
         """
         p = req.sampling_params
         limit = min(p.max_new_tokens - len(req.output_ids), self.context_length - req.total_len)
         for tok in self.grammar_hook.jump_forward(req, limit):
             if self._banned(req, tok):
+                return
+            reason = self.grammar_hook.check(req, tok)
+            if reason is not None:  # the only token the grammar allows: a dead end
+                self.grammar_hook.dead_end(req, reason, "it is the only token the grammar "
+                                                        "allows")
                 return
             self.grammar_hook.accept(req, tok)
             req.output_ids.append(tok)
@@ -269,6 +318,21 @@ class ResultProcessor:
         matched = req.stop_checker.check(tok)
         if matched is not None:
             req.finished_reason = FinishReason("stop", matched=matched)
+
+
+def _row_batch(sb: SamplingBatch, row: int) -> SamplingBatch:
+    """Row `row` of `sb` as a batch of one, for sampling that row again from logits already
+    processed (penalties, bias and bans applied): the same temperature, truncation and seed."""
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[row:row + 1]
+
+    greedy = sb.all_greedy or bool(sb.greedy[row])
+    return dataclasses.replace(
+        sb, temperatures=take(sb.temperatures), top_ps=take(sb.top_ps), top_ks=take(sb.top_ks),
+        min_ps=take(sb.min_ps), greedy=take(sb.greedy), all_greedy=greedy,
+        seeds=sb.seeds[row:row + 1], penalty_rows=None, frequency=None, presence=None,
+        repetition=None, output_counts=None, seen_prompt=None, logit_bias=None, banned=None,
+        want_logprobs=False)
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: Any) -> tuple[int, ...]:
