@@ -23,7 +23,7 @@ from starlette.responses import Response
 import arborlm
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.generate_request import GenerateRequest
-from arborlm.server import sse
+from arborlm.server import schema_report, sse
 from arborlm.server.errors import ApiError
 from arborlm.server.generation import Event, collect_finals, race_disconnect, started
 from arborlm.server.jsonresp import JSONResponse
@@ -46,7 +46,8 @@ ENGINE_INFO_TIMEOUT_S = 5.0
 async def generate(body: GenerateReqInput, request: Request) -> Response:
     state = server_state(request)
     req = body.to_generate_request()
-    events = state.runner.events(req)
+    events = schema_report.attach(state.runner.events(req), req,
+                                  state.engine_args.grammar_backend)
     if body.stream:
         stream = await started(request, events)
         return sse.SSEResponse(_native_stream(stream, _several(body, req)))

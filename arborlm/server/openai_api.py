@@ -10,9 +10,11 @@ prompts are rendered with the chat template (`chat.py`) and sent to the engine a
 Structured outputs: one grammar per request — `response_format` (`json_object` / `json_schema`),
 the `regex` / `ebnf` extensions, or tool calls forced by `tool_choice` (`required`, a named
 function; see `tool_calls.py`). A grammar the engine rejects is a 400 naming the request field
-it came from. Streaming with tools sends text as it comes until a `<tool_call>` starts, then
-holds the rest and sends the calls, each whole in one `tool_calls` delta, when the choice ends
-(arguments are not streamed piece by piece).
+it came from. A `json_schema` with `strict: false` is accepted where it cannot be guaranteed;
+each choice (in a stream, its last chunk) then carries `json_schema_unenforced` and
+`json_schema_valid` (`schema_report.py`). Streaming with tools sends text as it comes until a
+`<tool_call>` starts, then holds the rest and sends the calls, each whole in one `tool_calls`
+delta, when the choice ends (arguments are not streamed piece by piece).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from arborlm.constrained.base import ANY_WHITESPACE_MAX_RUN
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.server import openai_format as fmt
-from arborlm.server import sse
+from arborlm.server import schema_report, sse
 from arborlm.server.errors import ApiError, error_body
 from arborlm.server.generation import Event, collect_finals, race_disconnect, started
 from arborlm.server.jsonresp import JSONResponse
@@ -101,6 +103,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                                   else state.context_length)
     if body.json_schema is not None:
         sampling["json_schema"] = body.json_schema
+    if body.json_schema_strict is not None:
+        sampling["json_schema_strict"] = body.json_schema_strict
     wants_lp = body.logprobs is not None
     req = GenerateRequest(
         text=texts, input_ids=ids, sampling_params=sampling,
@@ -112,14 +116,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         echoes = texts if texts is not None else [_decode_echo(state, p) for p in ids]
     reply = _Reply(base, "text_completion", state.model_name, body.n, wants_lp,
                    body.include_usage, request.url.path)
-    events = state.runner.events(req, "max_tokens")
+    events = _events(state, req)
     with _grammar_error_field(sampling, COMPLETION_GRAMMAR_FIELDS):
         if body.stream:
             stream = await started(request, events)
             return sse.SSEResponse(_completion_stream(state, reply, stream, echoes))
         finals = await race_disconnect(request, collect_finals(events))
-    choices = [fmt.completion_choice(i, f, state.token_texts, logprobs=wants_lp,
-                                     echo=None if echoes is None else echoes[i // body.n])
+    choices = [{**fmt.completion_choice(i, f, state.token_texts, logprobs=wants_lp,
+                                        echo=None if echoes is None else echoes[i // body.n]),
+                **schema_report.choice_fields(f["meta_info"])}
                for i, f in enumerate(finals)]
     return JSONResponse(reply.envelope(choices, usage=fmt.usage(finals, body.n)))
 
@@ -160,7 +165,8 @@ async def _completion_stream(state: ServerState, reply: _Reply, stream: AsyncIte
         if first and echo is not None:
             delta = echo + delta
         return {"index": index, "text": delta, "logprobs": lp,
-                "finish_reason": fmt.finish_reason(meta), "matched_stop": fmt.matched_stop(meta)}
+                "finish_reason": fmt.finish_reason(meta), "matched_stop": fmt.matched_stop(meta),
+                **schema_report.choice_fields(meta)}
 
     async for item in _openai_stream(reply, stream, chunk):
         yield item
@@ -187,15 +193,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                           else 0, priority=body.priority)
     reply = _Reply(base, "chat.completion", state.model_name, body.n, body.logprobs,
                    body.include_usage, request.url.path)
-    events = state.runner.events(req, "max_tokens")
+    events = _events(state, req)
     with _grammar_error_field(sampling, CHAT_GRAMMAR_FIELDS):
         if body.stream:
             stream = await started(request, events)
             reply.object = "chat.completion.chunk"
             return sse.SSEResponse(_chat_stream(state, reply, stream, tools.names))
         finals = await race_disconnect(request, collect_finals(events))
-    choices = [fmt.chat_choice(i, f, state.token_texts, logprobs=body.logprobs,
-                               tool_names=tools.names)
+    choices = [{**fmt.chat_choice(i, f, state.token_texts, logprobs=body.logprobs,
+                                  tool_names=tools.names),
+                **schema_report.choice_fields(f["meta_info"])}
                for i, f in enumerate(finals)]
     return JSONResponse(reply.envelope(choices, usage=fmt.usage(finals, body.n)))
 
@@ -219,6 +226,12 @@ def _chat_grammar(body: ChatCompletionRequest, tools: ToolPolicy,
                       else TOOL_ARGS_WHITESPACE)
         return {"structural_tag": tools.grammar(whitespace), "grammar_backend": "xgrammar"}
     return response_format.sampling() if response_format is not None else {}
+
+
+def _events(state: ServerState, req: GenerateRequest) -> AsyncIterator[Event]:
+    """The engine's events of `req`, with the report of each non-strict JSON schema."""
+    return schema_report.attach(state.runner.events(req, "max_tokens"), req,
+                                state.engine_args.grammar_backend)
 
 
 @contextmanager
@@ -263,7 +276,7 @@ async def _chat_stream(state: ServerState, reply: _Reply, stream: AsyncIterator[
                                    meta.get("output_top_logprobs", []))
         return {"index": index, "delta": delta, "logprobs": lp,
                 "finish_reason": fmt.tool_finish_reason(reason, calls),
-                "matched_stop": fmt.matched_stop(meta)}
+                "matched_stop": fmt.matched_stop(meta), **schema_report.choice_fields(meta)}
 
     async for item in _openai_stream(reply, stream, chunk):
         yield item

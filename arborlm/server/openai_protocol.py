@@ -94,6 +94,7 @@ class CompletionRequest(_SamplingFields):
     best_of: Int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: Str | None = None
     json_schema: Str | None = None
+    json_schema_strict: Bool | None = None
 
 
 # --- chat ------------------------------------------------------------------------------------
@@ -181,15 +182,20 @@ class ResponseFormatJsonObject(_Model):
 
 
 class ResponseFormatJsonSchema(_Model):
-    """`strict` is accepted either way: ArborLM always enforces the schema (objects closed
-    unless they allow `additionalProperties`, see `arborlm.constrained.xgrammar_backend`)."""
+    """`strict` (default true) is the engine's `json_schema_strict`: strict refuses a schema
+    whose every keyword cannot be guaranteed (a 400 naming the JSON pointer); false accepts it
+    and reports what is not enforced and whether the output validated (`json_schema_unenforced`,
+    `json_schema_valid` on the choice). Objects are closed unless they allow
+    `additionalProperties` (see `arborlm.constrained.xgrammar_backend`)."""
 
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
     def sampling(self) -> dict[str, Any]:
         schema = self.json_schema.schema_
-        return {"json_schema": json.dumps(ANY_OBJECT if schema is None else schema)}
+        strict = self.json_schema.strict is not False
+        return {"json_schema": json.dumps(ANY_OBJECT if schema is None else schema),
+                "json_schema_strict": strict}
 
 
 ResponseFormat = Annotated[

@@ -83,6 +83,7 @@ class SamplingParamsInput(_Model):
     logit_bias: dict[Str, Float] | None = None
     sampling_seed: Int | None = None
     json_schema: Str | None = None
+    json_schema_strict: Bool | None = None  # ArborLM's: true (default) refuses, false reports
     regex: Str | None = None
     ebnf: Str | None = None
     structural_tag: Str | None = None
