@@ -49,7 +49,7 @@ from arborlm.lang.choices import (
     unconditional_likelihood_normalized,
 )
 from arborlm.lang.errors import BackendError, ProgramError
-from arborlm.lang.program import ProgramFunction
+from arborlm.lang.program import ProgramFunction, global_config
 from arborlm.lang.state import ProgramState, ProgramStateGroup
 
 __all__ = [
@@ -57,7 +57,8 @@ __all__ = [
     "OpenAI", "ProgramError", "ProgramFunction", "ProgramState", "ProgramStateGroup",
     "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end", "flush_cache",
     "function", "gen", "gen_int", "gen_string", "get_chat_template", "get_default_backend",
-    "get_server_info", "greedy_token_selection", "register_chat_template", "select",
+    "get_server_info", "global_config", "greedy_token_selection", "register_chat_template",
+    "select",
     "set_default_backend", "system", "system_begin", "system_end",
     "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin",
     "user_end",

@@ -25,6 +25,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from arborlm.lang import stream_meta
 from arborlm.lang.chat_template import ChatTemplate
 from arborlm.lang.errors import ProgramError
 from arborlm.lang.ir import (
@@ -191,15 +192,22 @@ class StreamExecutor:
             self._cond.wait_for(lambda: len(self.text_) > prev or self.is_finished)
             return self.text_[prev:], self.is_finished
 
-    def wait_var_text(self, name: str, prev: int) -> tuple[str, bool]:
-        """Streaming variable `name`: (its text after `prev`, whether it is complete)."""
+    def wait_var_text(self, name: str, prev: int,
+                      sent: dict[str, int]) -> tuple[str, Any, bool]:
+        """Streaming variable `name`: (its text after `prev`, its meta_info with the output
+        logprob entries after `sent` — advanced when there is new text, see `stream_meta.since`
+        —, whether it is complete)."""
 
         def ready() -> bool:
             return len(self._stream_text.get(name, "")) > prev or self._var_complete(name)
 
         with self._cond:
             self._cond.wait_for(ready)
-            return self._stream_text.get(name, "")[prev:], self._var_complete(name)
+            piece = self._stream_text.get(name, "")[prev:]
+            meta = self.meta_info.get(name)
+            if piece and isinstance(meta, dict):
+                meta = stream_meta.since(meta, sent)
+            return piece, meta, self._var_complete(name)
 
     def _var_complete(self, name: str) -> bool:
         return (self.is_finished or self.error_ is not None
@@ -276,10 +284,12 @@ class StreamExecutor:
         self._set_var(expr.name, convert_dtype(expr.name, params.dtype, text), meta)
 
     def _stream_gen(self, name: str | None, params: GenParams) -> tuple[str, Any]:
-        text, meta = "", None
-        for delta, meta in self.backend.generate_stream(self, params):
+        text: str = ""
+        meta: dict[str, Any] | None = None
+        for delta, chunk in self.backend.generate_stream(self, params):
             text += delta
             with self._cond:
+                meta = stream_meta.accumulate(meta, chunk or {})
                 self.text_ += delta
                 if name is not None:
                     self._stream_text[name] = text

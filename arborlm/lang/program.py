@@ -10,7 +10,8 @@ program is kept in its state (`s.error()`, and re-raised as `ProgramError` when 
 did not produce is read) rather than stopping the batch.
 
 Sampling keyword arguments of `run` / `run_batch` are the program's defaults for every `gen`
-that leaves them unset. The default backend is module state set by `set_default_backend`.
+that leaves them unset. The default backend is module state set by `set_default_backend`, also
+readable as SGLang's `global_config.default_backend`.
 """
 
 from __future__ import annotations
@@ -30,27 +31,52 @@ from arborlm.lang.state import ProgramState
 logger = logging.getLogger(__name__)
 
 _default_backend: Any = None
+_default_backend_as_given: Any = None
 
 # Shorter constant prefixes are not worth a separate prefill request.
 PRECACHE_MIN_CHARS = 64
 
 
 def set_default_backend(backend: Any) -> None:
-    """The backend programs use when `run` gets none: a backend, or an `arborlm.Engine`."""
-    global _default_backend
+    """The backend programs use when `run` gets none: a backend, an `arborlm.Engine`, or an
+    object whose `endpoint` is a backend (the shape of SGLang's `Runtime`)."""
+    global _default_backend, _default_backend_as_given
     _default_backend = as_backend(backend)
+    _default_backend_as_given = backend
 
 
 def get_default_backend() -> Any:
     return _default_backend
 
 
+class GlobalConfig:
+    """SGLang's `sgl.global_config`, for programs that read their backend from it:
+    `default_backend` is what `set_default_backend` was given (assigning it sets it). SGLang's
+    other settings there are not ArborLM's and are not provided."""
+
+    __slots__ = ()
+
+    @property
+    def default_backend(self) -> Any:
+        return _default_backend_as_given
+
+    @default_backend.setter
+    def default_backend(self, backend: Any) -> None:
+        set_default_backend(backend)
+
+
+global_config = GlobalConfig()
+
+
 def as_backend(backend: Any) -> Any:
-    """Backends stay as they are; an `arborlm.Engine` is wrapped in an `EngineBackend`."""
+    """Backends stay as they are; an `arborlm.Engine` is wrapped in an `EngineBackend`; an
+    object whose `endpoint` is a backend (SGLang's `Runtime`) stands for that backend."""
     from arborlm.lang.backends.base import BaseBackend
 
     if backend is None or isinstance(backend, BaseBackend):
         return backend
+    if isinstance(getattr(backend, "endpoint", None), BaseBackend):
+        return backend.endpoint
     if hasattr(backend, "generate") and hasattr(backend, "tokenizer"):
         from arborlm.lang.backends.engine_backend import EngineBackend
 

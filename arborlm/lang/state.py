@@ -4,10 +4,13 @@ A thin user-facing layer over a `StreamExecutor`: `s += expr` submits, `s["name"
 and returns a variable, `s.text()` / `s.messages()` wait for everything submitted so far.
 `with s.user(): ...` wraps the appended expressions in a chat role. Streaming runs expose
 `text_iter()` / `text_async_iter()`, which yield new text as it is generated and raise
-`ProgramError` at the end if the program failed.
+`ProgramError` at the end if the program failed; with `return_meta_data`, each piece of a
+variable comes with its meta_info as SGLang streams it (the output logprob lists hold the
+entries since the previous piece, `stream_meta.py`).
 
 `forks.join()` gathers each variable the branches created into a list on the parent, in branch
 order; `join("concate_and_append")` instead appends every branch's new text to the parent.
+`forks += expr` appends to every branch and `forks[i] += expr` to one.
 """
 
 from __future__ import annotations
@@ -133,7 +136,12 @@ class ProgramState:
 
     async def text_async_iter(self, var_name: str | None = None,
                               return_meta_data: bool = False) -> AsyncIterator[Any]:
-        """`text_iter` for asyncio code; with `return_meta_data`, (text, meta_info) pairs."""
+        """`text_iter` for asyncio code; with `return_meta_data`, (text, meta_info) pairs.
+
+        A piece's meta_info is the variable's so far, except that its output logprob lists
+        (`output_token_logprobs`, ...) hold only the entries since the previous piece, as in
+        SGLang; `output_token_logprobs_length` and `completion_tokens` count all so far.
+        """
         loop = asyncio.get_running_loop()
         it = self._iter(var_name)
         done = object()
@@ -150,14 +158,16 @@ class ProgramState:
                    None if var_name is None else exe.meta_info.get(var_name))
             return
         prev = 0
+        sent: dict[str, int] = {}
         while True:
+            meta = None
             if var_name is None:
                 piece, done = exe.wait_text(prev)
             else:
-                piece, done = exe.wait_var_text(var_name, prev)
+                piece, meta, done = exe.wait_var_text(var_name, prev, sent)
             prev += len(piece)
             if piece:
-                yield piece, None if var_name is None else exe.meta_info.get(var_name)
+                yield piece, meta
             if done:
                 break
         if exe.error_ is not None:
@@ -207,6 +217,13 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        """`forks[i] += expr` appends to branch `i` and then stores the branch back in its
+        place (Python's `x[i] += y`); storing a different state there is an error."""
+        if value is not self.states[i]:
+            raise TypeError("a fork group's branches cannot be replaced; append to branch i "
+                            "with forks[i] += ...")
 
     def __len__(self) -> int:
         return len(self.states)

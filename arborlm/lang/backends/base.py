@@ -39,7 +39,11 @@ class BaseBackend(abc.ABC):
     @abc.abstractmethod
     def generate_stream(self, s: StreamExecutor,
                         params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Generate a continuation of `s` piece by piece: (new text, meta_info so far)."""
+        """Generate a continuation of `s` piece by piece: (new text, the chunk's meta_info).
+
+        A chunk's output logprob lists may hold only its new entries, as SGLang streams them
+        (`output_token_logprobs_length` then counts all so far); the executor adds the chunks
+        up (`arborlm.lang.stream_meta`)."""
 
     @abc.abstractmethod
     def select(self, s: StreamExecutor, choices: list[str], temperature: float,
@@ -55,6 +59,10 @@ class BaseBackend(abc.ABC):
 
     def end_program(self, s: StreamExecutor) -> None:  # noqa: B027 - optional hook
         """Called when a program (or branch) finishes; backends keep no per-program state."""
+
+    def get_model_name(self) -> str:
+        """The model's path or name (what SGLang's backends report)."""
+        raise BackendError(f"{type(self).__name__} does not know its model's name")
 
     def flush_cache(self) -> bool:
         raise BackendError(f"{type(self).__name__} cannot flush a prefix cache")

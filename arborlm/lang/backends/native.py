@@ -30,9 +30,6 @@ from arborlm.lang.ir import GenParams
 if TYPE_CHECKING:
     from arborlm.lang.interpreter import StreamExecutor
 
-_STREAMED_LOGPROBS = ("output_token_logprobs", "output_top_logprobs",
-                      "output_token_ids_logprobs")
-
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = 0
@@ -60,6 +57,8 @@ class NativeBackend(BaseBackend):
     #: False when the runtime has no prefix cache: prefill-only warm-ups would only cost time,
     #: so `cache_prefix` and `select` skip them.
     prefix_cache_enabled: bool = True
+    #: The served model's path (what `get_model_name` reports).
+    model_path: str | None = None
 
     @abc.abstractmethod
     def request(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
@@ -72,6 +71,11 @@ class NativeBackend(BaseBackend):
     @abc.abstractmethod
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text as the runtime tokenizes a prompt (BOS included)."""
+
+    def get_model_name(self) -> str:
+        if self.model_path is None:
+            return super().get_model_name()
+        return self.model_path
 
     # --- gen ----------------------------------------------------------------------------------
 
@@ -87,16 +91,12 @@ class NativeBackend(BaseBackend):
                         params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
         payload = {**self.gen_payload(s.text_, params), "stream": True}
         sent = 0
-        merged: dict[str, list] = {}
         for chunk in self.request_stream(payload):
             check_finished(chunk)
-            meta = dict(chunk.get("meta_info") or {})
-            for key in _STREAMED_LOGPROBS:  # chunks carry only their new logprob entries
-                if key in meta:
-                    merged.setdefault(key, []).extend(meta[key] or [])
-                    meta[key] = list(merged[key])
             text = chunk.get("text", "")
-            yield text[sent:], meta
+            # The chunk's meta_info as the runtime sent it (its output logprob lists hold only
+            # the new entries); the executor adds the chunks up (`stream_meta.accumulate`).
+            yield text[sent:], dict(chunk.get("meta_info") or {})
             sent = len(text)
 
     # --- prefix cache ---------------------------------------------------------------------------

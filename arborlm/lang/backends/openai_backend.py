@@ -54,6 +54,9 @@ class OpenAI(BaseBackend):
 
     # --- requests -------------------------------------------------------------------------------
 
+    def get_model_name(self) -> str:
+        return self.model_name
+
     def _request_args(self, s: StreamExecutor, params: GenParams) -> dict[str, Any]:
         args: dict[str, Any] = {"model": self.model_name, "max_tokens": params.max_new_tokens}
         for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
