@@ -149,3 +149,12 @@ def _intersect_types(a: Any, b: Any) -> Any:
 
 def _numbers(a: Any, b: Any) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b))
+
+
+def merge_schemas(schemas: list[Any], root: Any) -> dict[str, Any] | None:
+    """One schema equal to the conjunction of `schemas` (local `$ref`s resolved against
+    `root`), or None when they cannot be merged exactly."""
+    try:
+        return _fold({"allOf": list(schemas)}, root, 0)
+    except _Conflict:
+        return None

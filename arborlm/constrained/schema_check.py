@@ -108,7 +108,8 @@ def checked_schema(spec: str, backend: str) -> dict[str, Any] | bool:
 
 
 def iter_schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
-    """Every subschema object in `schema` (definitions included), each once."""
+    """Every subschema object in `schema` (definitions and local `$ref` targets included),
+    each once."""
     stack, seen = [schema], set()
     while stack:
         node = stack.pop()
@@ -119,6 +120,9 @@ def iter_schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
             for key in ("$defs", "definitions"):
                 if isinstance(node.get(key), dict):
                     stack.extend(node[key].values())
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                stack.append(lookup_ref(schema, ref))
 
 
 def supports_format(backend: str, name: Any) -> bool:

@@ -4,7 +4,9 @@
 `apply_token_bitmask_`, samples, and accepts the token, until the matcher terminates or the
 budget runs out. A growing bias towards tokens holding a closing character (`"`, `]`, `}`,
 `,`) stands in for a model that wants to finish, so most outputs complete within the budget;
-the bias only reorders allowed tokens, the mask still decides what is legal.
+the bias only reorders allowed tokens, the mask still decides what is legal. A token the
+matcher's semantic guard rejects (`check_token`) is banned for the step and another sampled, at
+most `MAX_GUARD_RETRIES` times, as the decode loop does; then the generation aborts.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from arborlm.constrained.base import GrammarMatcher
 from arborlm.constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from arborlm.constrained.vocab import TokenVocab
 
+MAX_GUARD_RETRIES = 16
+
 
 @dataclass
 class Generation:
     token_ids: list[int]  # without the final stop token
     terminated: bool
+    aborted: str | None = None  # the guard's last reason when every retry was rejected
 
     def text(self, vocab: TokenVocab) -> str:
         return b"".join(vocab.decoded[t] for t in self.token_ids).decode("utf-8")
@@ -65,10 +70,20 @@ def generate(matcher: GrammarMatcher, vocab: TokenVocab, seed: int, budget: int 
             logits += bias * (step / 40.0)
         matcher.fill_bitmask(mask, 0)
         apply_token_bitmask_(logits, mask)
-        if greedy:
-            token = int(logits.argmax())
-        else:
-            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        reason = None
+        for _ in range(MAX_GUARD_RETRIES):
+            if not torch.isfinite(logits).any():
+                break
+            if greedy:
+                token = int(logits.argmax())
+            else:
+                token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+            reason = matcher.check_token(token)
+            if reason is None:
+                break
+            logits[0, token] = float("-inf")
+        if reason is not None or not torch.isfinite(logits).any():
+            return Generation(out, False, reason or "every allowed token was rejected")
         assert matcher.accept_token(token), f"sampled token {token} was masked in"
         if matcher.is_terminated():
             return Generation(out, True)

@@ -11,15 +11,13 @@ from typing import Any
 
 import jsonschema
 import pytest
-import torch
 
 from arborlm.constrained.base import GrammarBackend, GrammarMatcher
-from arborlm.constrained.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from arborlm.constrained.guarded_matcher import GuardedMatcher
 from arborlm.constrained.json_tracker import Close, Grow, JsonTracker
 from arborlm.errors import GrammarError
 from tests.constrained.conftest import EOS
-from tests.constrained.driver import closing_bias
+from tests.constrained.driver import closing_bias, generate
 
 INT = {"type": "integer"}
 STR = {"type": "string"}
@@ -206,38 +204,11 @@ def test_generated_outputs_validate(xgrammar: GrammarBackend) -> None:
     for schema in schemas:
         finished = 0
         for seed in range(6):
-            text = _sample_with_retries(_matcher(xgrammar, schema), xgrammar, seed, bias)
-            if text is not None:
-                jsonschema.validate(json.loads(text), schema)
+            result = generate(_matcher(xgrammar, schema), xgrammar.vocab, seed, 200, bias)
+            if result.terminated:
+                jsonschema.validate(json.loads(result.text(xgrammar.vocab)), schema)
                 finished += 1
         assert finished >= 3, schema
-
-
-def _sample_with_retries(matcher: GrammarMatcher, backend: GrammarBackend, seed: int,
-                         bias: torch.Tensor, budget: int = 200,
-                         retries: int = 8) -> str | None:
-    """The finished text, or None (budget spent or retries exhausted: the request aborts)."""
-    gen = torch.Generator().manual_seed(seed)
-    mask = allocate_token_bitmask(1, backend.vocab_size)  # [1, W]
-    out: list[int] = []
-    for step in range(budget):
-        logits = torch.randn(1, backend.vocab_size, generator=gen) + bias * (step / 40.0)
-        matcher.fill_bitmask(mask, 0)
-        apply_token_bitmask_(logits, mask)  # [1, V]
-        for _ in range(retries):
-            if not torch.isfinite(logits).any():
-                return None
-            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-            if matcher.check_token(token) is None:
-                break
-            logits[0, token] = float("-inf")
-        else:
-            return None
-        assert matcher.accept_token(token)
-        if matcher.is_terminated():
-            return b"".join(backend.vocab.decoded[t] for t in out).decode()
-        out.append(token)
-    return None
 
 
 def test_tracker_reports_paths_and_lengths() -> None:

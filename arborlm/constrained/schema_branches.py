@@ -1,0 +1,142 @@
+"""Turn property dependencies and `if`/`then`/`else` into `anyOf` branches a grammar can build.
+
+Neither engine enforces `dependentRequired` (draft 2019-09+), the array form of `dependencies`
+(drafts 4 to 7) or `if`/`then`/`else`. Each is a disjunction a grammar can express, so
+`branch_conditionals` rewrites an object node N in place into an `anyOf` of full copies of N:
+
+- a dependency "when `a` is present, `b` and `c` must be": one branch where `a` is absent (not
+  in `properties`; plus `not: {required: [a]}` unless N's objects are closed anyway) and one
+  where `a`, `b` and `c` are all required. Up to three dependencies (eight branches), branches
+  that contradict N's own `required` left out;
+- `if: I, then: T, else: E`: the branches N ∧ I ∧ T (merged into one schema with
+  `schema_allof.merge_schemas`) and N ∧ E with `not: I`, which is exact because I either holds
+  or not. A `not` left in a branch is checked by the semantic guard when that object closes.
+
+A node is left as written when it already combines schemas (`anyOf`, `oneOf`, `allOf`, `$ref`,
+`not`), when a merge is not exact, or when a `$ref` points inside it (it would dangle);
+`schema_check` then reports the keyword and the guard checks it. Definitions and `$schema`
+stay on the node. This module rewrites in place and decides nothing about support.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from arborlm.constrained.schema_allof import merge_schemas
+from arborlm.constrained.schema_check import subschemas
+
+MAX_DEPENDENCIES = 3
+_COMBINED = ("anyOf", "oneOf", "allOf", "$ref", "not")
+_KEPT = frozenset({"$schema", "$id", "id", "$defs", "definitions", "$comment", "title",
+                   "description"})
+_REF = re.compile(r'"\$ref": "(#[^"]*)"')
+
+
+def branch_conditionals(schema: Any) -> Any:
+    """Rewrite every eligible node of `schema` (see the module docstring); returns `schema`."""
+    if not isinstance(schema, dict):
+        return schema
+    refs = set(_REF.findall(json.dumps(schema)))
+    for pointer, node in list(_nodes(schema, "#")):
+        if any(k in node for k in _COMBINED) or any(_dangles(r, pointer) for r in refs):
+            continue
+        if "if" in node and ("then" in node or "else" in node):
+            _rewrite_if(node, schema)
+        elif _dependencies(node):
+            _rewrite_dependencies(node)
+    return schema
+
+
+def _dangles(ref: str, pointer: str) -> bool:
+    """Whether `ref` points inside the node at `pointer` elsewhere than its definitions (which
+    stay where they are)."""
+    if not ref.startswith(pointer + "/"):
+        return False
+    return ref[len(pointer) + 1:].split("/")[0] not in ("$defs", "definitions")
+
+
+def _nodes(node: Any, pointer: str, depth: int = 0):
+    """(pointer, node) of every subschema object, definitions included (each place once)."""
+    if not isinstance(node, dict) or depth > 64:
+        return
+    yield pointer, node
+    for key, child in subschemas(node):
+        yield from _nodes(child, f"{pointer}/{key}", depth + 1)
+    for key in ("$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            for name, child in node[key].items():
+                yield from _nodes(child, f"{pointer}/{key}/{_escape(name)}", depth + 1)
+
+
+def _dependencies(node: dict[str, Any]) -> dict[str, list[str]] | None:
+    """The name -> required names dependencies of `node`, or None when there are none or
+    one is not of that form (a schema dependency)."""
+    found: dict[str, list[str]] = {}
+    for key in ("dependentRequired", "dependencies"):
+        value = node.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return None
+        for name, needed in value.items():
+            if not isinstance(needed, list) or not all(isinstance(n, str) for n in needed):
+                return None
+            found[name] = list(dict.fromkeys(found.get(name, []) + needed))
+    return found or None
+
+
+def _rewrite_dependencies(node: dict[str, Any]) -> None:
+    dependencies = _dependencies(node) or {}
+    required = set(node.get("required") or ())
+    closed = node.get("additionalProperties", True) is False and "patternProperties" not in node
+    live = {name: needed for name, needed in dependencies.items()
+            if not set(needed) <= required and (not closed or name in (
+                node.get("properties") or {}))}
+    if not live or len(live) > MAX_DEPENDENCIES:
+        return
+    base = {k: v for k, v in node.items()
+            if k not in _KEPT and k not in ("dependentRequired", "dependencies")}
+    branches: list[tuple[dict[str, Any], list[str]]] = [(base, [])]
+    for name, needed in live.items():
+        grown = []
+        for branch, absent in branches:
+            if name not in (branch.get("required") or ()):
+                properties = {k: v for k, v in (branch.get("properties") or {}).items()
+                              if k != name}
+                grown.append(({**branch, "properties": properties}, absent + [name]))
+            if not set(needed) & set(absent):
+                merged = list(dict.fromkeys(list(branch.get("required") or ()) + [name] +
+                                            needed))
+                grown.append(({**branch, "required": merged}, absent))
+        branches = grown
+    if not branches:
+        return
+    out = []
+    for branch, absent in branches:
+        if absent and not closed:
+            branch = {**branch, "not": {"anyOf": [{"required": [n]} for n in absent]}}
+        out.append(branch)
+    _replace(node, out)
+
+
+def _rewrite_if(node: dict[str, Any], root: Any) -> None:
+    condition = node["if"]
+    base = {k: v for k, v in node.items() if k not in _KEPT and k not in ("if", "then", "else")}
+    then = merge_schemas([base, condition, node.get("then", True)], root)
+    otherwise = merge_schemas([base, node.get("else", True)], root)
+    if then is None or otherwise is None or "not" in otherwise:
+        return
+    _replace(node, [then, {**otherwise, "not": condition}])
+
+
+def _replace(node: dict[str, Any], branches: list[dict[str, Any]]) -> None:
+    kept = {k: v for k, v in node.items() if k in _KEPT}
+    node.clear()
+    node.update(kept)
+    node["anyOf"] = branches
+
+
+def _escape(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
