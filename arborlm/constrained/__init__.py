@@ -2,16 +2,21 @@
 
 - `base`: the interface — `GrammarBackend.compile(kind, spec) -> CompiledGrammar`,
   `CompiledGrammar.matcher() -> GrammarMatcher` (accept_token, fill_bitmask, rollback,
-  is_terminated, jump-forward, copy, reset). It imports no engine.
+  is_terminated, jump-forward, copy, reset, check_token). It imports no engine.
 - This `__init__`: the registry of engines, `GRAMMAR_BACKENDS` and
   `create_grammar_backend(name, ...)`, which imports the named engine when it is asked for.
 - `xgrammar_backend` (default) and `outlines_backend`: the two engines behind it.
 - `compile_cache.GrammarCompiler`: compiles in a thread pool with a bounded cache keyed by
-  (backend, kind, spec), a time limit, and cached failures. It builds backends through the
+  (backend, kind, spec, strict), a time limit, and cached failures. It builds backends through the
   registry, so it is imported from `arborlm.constrained.compile_cache`, not re-exported here.
 - `bitmask`: `allocate_token_bitmask` and `apply_token_bitmask_` (masked tokens -> -inf).
-- `schema_check` (+ `schema_allof`, `schema_oneof`): JSON-schema keywords an engine would
-  silently drop are reported as a `GrammarError` instead.
+- `schema_prepare`: the json_schema path of both engines. Exact rewrites (`schema_allof`,
+  `schema_branches`, `schema_required`) and narrowing ones (`schema_rewrite`); `schema_check`
+  (+ `schema_oneof`) lists what the engine would still drop; the semantic guard
+  (`schema_guard` over `json_tracker`, wrapped around matchers by `guarded_matcher`) checks
+  that as values close (`GrammarMatcher.check_token`). What nobody enforces is refused in
+  strict mode (a `GrammarError`) or listed in `CompiledGrammar.unenforced`; nothing is dropped
+  silently.
 - `vocab.TokenVocab`: token bytes with special tokens blanked, shared by both engines.
 
 Kinds: `json_schema` (a schema as a JSON string, or "$$ANY$$" for any JSON value), `regex`,
