@@ -229,3 +229,17 @@ def test_tracker_reports_paths_and_lengths() -> None:
     assert [c.path for c in tracker.feed(b'"]}')] == [("a", 1), ("a",), ()]
     root = JsonTracker("root", resolve)
     assert root.feed(b"12") == [] and [c.end for c in root.finish()] == [2]
+
+
+def test_both_backends_guard_alike(backend: GrammarBackend) -> None:
+    """outlines-core drops more keywords (bounds among them); its matcher gets the same guard."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5},
+                                               "t": {"type": "array", "items": INT,
+                                                     "uniqueItems": True}},
+              "required": ["n", "t"]}
+    assert _walk(_matcher(backend, schema), backend, '{"n": 7, "t": [1, 2]}') is None
+    reason = _walk(_matcher(backend, schema), backend, '{"n": 7, "t": [1, 1]}')
+    assert reason == "value at /t violates uniqueItems (schema #/properties/t/uniqueItems)"
+    if backend.name == "outlines":
+        reason = _walk(_matcher(backend, schema), backend, '{"n": 3, "t": []}')
+        assert reason == "value at /n violates minimum (schema #/properties/n/minimum)"
