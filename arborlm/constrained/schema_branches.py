@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 from arborlm.constrained.schema_allof import merge_schemas
-from arborlm.constrained.schema_check import subschemas
+from arborlm.constrained.schema_walk import dangles, schema_nodes
 
 MAX_DEPENDENCIES = 3
 _COMBINED = ("anyOf", "oneOf", "allOf", "$ref", "not")
@@ -39,35 +39,14 @@ def branch_conditionals(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     refs = set(_REF.findall(json.dumps(schema)))
-    for pointer, node in list(_nodes(schema, "#")):
-        if any(k in node for k in _COMBINED) or any(_dangles(r, pointer) for r in refs):
+    for pointer, node in list(schema_nodes(schema, "#")):
+        if any(k in node for k in _COMBINED) or any(dangles(r, pointer) for r in refs):
             continue
         if "if" in node and ("then" in node or "else" in node):
             _rewrite_if(node, schema)
         elif _dependencies(node):
             _rewrite_dependencies(node)
     return schema
-
-
-def _dangles(ref: str, pointer: str) -> bool:
-    """Whether `ref` points inside the node at `pointer` elsewhere than its definitions (which
-    stay where they are)."""
-    if not ref.startswith(pointer + "/"):
-        return False
-    return ref[len(pointer) + 1:].split("/")[0] not in ("$defs", "definitions")
-
-
-def _nodes(node: Any, pointer: str, depth: int = 0):
-    """(pointer, node) of every subschema object, definitions included (each place once)."""
-    if not isinstance(node, dict) or depth > 64:
-        return
-    yield pointer, node
-    for key, child in subschemas(node):
-        yield from _nodes(child, f"{pointer}/{key}", depth + 1)
-    for key in ("$defs", "definitions"):
-        if isinstance(node.get(key), dict):
-            for name, child in node[key].items():
-                yield from _nodes(child, f"{pointer}/{key}/{_escape(name)}", depth + 1)
 
 
 def _dependencies(node: dict[str, Any]) -> dict[str, list[str]] | None:
@@ -137,6 +116,3 @@ def _replace(node: dict[str, Any], branches: list[dict[str, Any]]) -> None:
     node.update(kept)
     node["anyOf"] = branches
 
-
-def _escape(name: str) -> str:
-    return str(name).replace("~", "~0").replace("/", "~1")

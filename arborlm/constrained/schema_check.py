@@ -14,6 +14,10 @@ without `then`/`else`, and `oneOf` whose branches provably never both match (bot
 `oneOf` as `anyOf`, which is exact only then). Custom `format` names are annotations; standard
 formats an engine cannot check are reported.
 
+xgrammar also builds a node holding `$ref`, `anyOf`, `oneOf` or `allOf` from that keyword
+alone, so the constraints beside it are reported too (`schema_siblings` first moves them in
+where that is exact). `checked_schema` applies the exact rewrites before checking.
+
 `schema_problems` returns the same findings as `Problem`s that also say whether the semantic
 guard (`schema_guard`) can enforce them when each value closes: everything except references
 outside the schema, standard formats `jsonschema` cannot check either, and (outlines) text the
@@ -26,12 +30,18 @@ that is invalid in other ways is left to the engine's own error.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from arborlm.constrained.schema_allof import merge_all_of
+from arborlm.constrained.schema_branches import branch_conditionals
 from arborlm.constrained.schema_oneof import lookup_ref, oneof_branches_disjoint
+from arborlm.constrained.schema_required import define_required
+from arborlm.constrained.schema_siblings import distribute_siblings
+from arborlm.constrained.schema_walk import (
+    dropped_siblings,
+    subschemas,
+)
 from arborlm.errors import GrammarError
 
 # Validation keywords of drafts 4 to 2020-12 that both engines implement.
@@ -65,10 +75,6 @@ _FORMATS = {
     "xgrammar": _STANDARD_FORMATS - {"idn-email", "idn-hostname", "iri", "iri-reference", "regex"},
     "outlines": frozenset({"date-time", "date", "time", "email", "uri", "uuid"}),
 }
-_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("additionalProperties", "not", "if", "then", "else", "contains",
-                  "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 
 @dataclass(frozen=True)
@@ -99,30 +105,20 @@ def parse_schema(spec: str) -> dict[str, Any] | bool:
 
 
 def checked_schema(spec: str, backend: str) -> dict[str, Any] | bool:
-    """Parse a json_schema spec, fold its `allOf`s and check it for `backend`; the result is a
-    fresh object the caller may rewrite. Raises `GrammarError` for invalid JSON or keywords the
-    backend would drop."""
-    schema = merge_all_of(parse_schema(spec))
+    """Parse a json_schema spec, apply the exact rewrites (`allOf` folded, siblings of
+    combinators moved in, dependencies and if/then/else as branches, required names defined)
+    and check it for `backend`, with no semantic guard (a path without one, such as tool-call
+    tags, uses this); the result is a fresh object the caller may rewrite. Raises
+    `GrammarError` for invalid JSON or keywords the backend would drop."""
+    schema = exactly_rewritten(parse_schema(spec))
     check_schema_supported(schema, backend)
     return schema
 
 
-def iter_schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
-    """Every subschema object in `schema` (definitions and local `$ref` targets included),
-    each once."""
-    stack, seen = [schema], set()
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict) and id(node) not in seen:
-            seen.add(id(node))
-            yield node
-            stack.extend(child for _, child in subschemas(node))
-            for key in ("$defs", "definitions"):
-                if isinstance(node.get(key), dict):
-                    stack.extend(node[key].values())
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                stack.append(lookup_ref(schema, ref))
+def exactly_rewritten(schema: Any) -> Any:
+    """`schema` (a fresh parse) after the exact rewrites, in their order: `allOf` folded,
+    siblings of combinators moved in, conditionals as branches, required names defined."""
+    return define_required(branch_conditionals(distribute_siblings(merge_all_of(schema))))
 
 
 def supports_format(backend: str, name: Any) -> bool:
@@ -177,40 +173,22 @@ def _walk(node: Any, where: str, backend: str, root: Any, problems: list[Problem
     local `$ref` reaches them (once each), so unused definitions cannot fail a schema."""
     if not isinstance(node, dict):
         return
+    reported = set()
     for key, value in node.items():
         reason = _unsupported(key, value, node, backend, root)
         if reason:
+            reported.add(key)
             problems.append(Problem(where, key, reason, _guardable(key, value, reason), node))
+    kept, dropped = dropped_siblings(node)
+    for key in dropped:
+        if key not in reported:
+            problems.append(Problem(where, key, f"dropped beside {kept}", True, node))
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#") and ref not in visited:
         visited.add(ref)
         _walk(lookup_ref(root, ref), ref, backend, root, problems, visited)
     for key, child in subschemas(node):
         _walk(child, f"{where}/{key}", backend, root, problems, visited)
-
-
-def subschemas(node: dict[str, Any]):
-    """(relative pointer, subschema) for every place a subschema can sit."""
-    for key in _SCHEMA_MAPS:
-        if isinstance(node.get(key), dict):
-            for name, child in node[key].items():
-                yield f"{key}/{_escape(name)}", child
-    for key in _SCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            for i, child in enumerate(node[key]):
-                yield f"{key}/{i}", child
-    for key in _SCHEMA_VALUES:
-        if key in node:
-            yield key, node[key]
-    items = node.get("items")
-    if isinstance(items, list):
-        for i, child in enumerate(items):
-            yield f"items/{i}", child
-    elif items is not None:
-        yield "items", items
-    if isinstance(node.get("dependencies"), dict):
-        for name, child in node["dependencies"].items():
-            yield f"dependencies/{_escape(name)}", child
 
 
 def _unsupported(key: str, value: Any, node: dict[str, Any], backend: str,

@@ -28,8 +28,9 @@ import re
 from typing import Any
 
 from arborlm.constrained.json_tracker import Close, Grow, JsonTracker, pointer
-from arborlm.constrained.schema_check import Problem, iter_schema_nodes, subschemas
+from arborlm.constrained.schema_check import Problem
 from arborlm.constrained.schema_oneof import lookup_ref
+from arborlm.constrained.schema_walk import iter_schema_nodes, subschemas
 
 _MAX_DEPTH = 16
 

@@ -1,8 +1,8 @@
 """`prepare_json_schema`: a json_schema spec made ready for an engine, with its guard plan.
 
 The one path both backends take for the `json_schema` kind: parse; exact rewrites
-(`schema_allof.merge_all_of`, `schema_branches.branch_conditionals`,
-`schema_required.define_required`); narrowing rewrites
+(`schema_check.exactly_rewritten`: `schema_allof`, `schema_siblings`, `schema_branches`,
+`schema_required`); narrowing rewrites
 (`schema_rewrite`); then `schema_check.schema_problems` lists what the engine would drop. What
 the semantic guard can check becomes a `schema_guard.GuardPlan`; the rest is refused in strict
 mode (a `GrammarError` naming each keyword by JSON pointer, for a 400) or, non-strict, listed
@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from arborlm.constrained.base import ANY_JSON
-from arborlm.constrained.schema_allof import merge_all_of
-from arborlm.constrained.schema_branches import branch_conditionals
-from arborlm.constrained.schema_check import format_problems, parse_schema, schema_problems
+from arborlm.constrained.schema_check import (
+    exactly_rewritten,
+    format_problems,
+    parse_schema,
+    schema_problems,
+)
 from arborlm.constrained.schema_guard import GuardPlan
-from arborlm.constrained.schema_required import define_required
 from arborlm.constrained.schema_rewrite import rewrite_schema
 from arborlm.errors import GrammarError
 
@@ -34,8 +36,8 @@ class PreparedSchema:
 
 
 def prepare_json_schema(spec: str, backend: str, strict: bool = True) -> PreparedSchema:
-    schema = merge_all_of(parse_schema("{}" if spec == ANY_JSON else spec))
-    schema = rewrite_schema(define_required(branch_conditionals(schema)), backend)
+    schema = exactly_rewritten(parse_schema("{}" if spec == ANY_JSON else spec))
+    schema = rewrite_schema(schema, backend)
     problems = schema_problems(schema, backend)
     refused = [p for p in problems if not p.guardable]
     if refused and strict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from arborlm.constrained.schema_check import iter_schema_nodes
+from arborlm.constrained.schema_walk import iter_schema_nodes
 
 _COMBINED = ("allOf", "$ref", "oneOf", "anyOf")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arborlm.constrained.schema_check import iter_schema_nodes
+from arborlm.constrained.schema_walk import iter_schema_nodes
 
 _DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
         "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")

@@ -14,6 +14,9 @@ from jsonschema import Draft7Validator, Draft202012Validator
 from arborlm.constrained.schema_branches import branch_conditionals
 from arborlm.constrained.schema_prepare import prepare_json_schema
 from arborlm.constrained.schema_required import define_required
+from arborlm.constrained.schema_siblings import distribute_siblings
+from arborlm.constrained.schema_walk import dropped_siblings
+from tests.constrained.driver import force_text
 
 INT = {"type": "integer"}
 STR = {"type": "string"}
@@ -106,3 +109,35 @@ def test_prepared_schema_needs_no_guard_for_closed_dependencies() -> None:
     prepared = prepare_json_schema(json.dumps(schema), "xgrammar")
     assert prepared.guard is None and prepared.unenforced == ()
     _assert_exact(schema, prepared.schema, "ab")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": INT, "b": STR}, "required": ["a"],
+     "anyOf": [{"required": ["b"]}, {"properties": {"c": {"type": "null"}}, "required": ["c"]}]},
+    {"type": "object", "properties": {"a": INT}, "oneOf": [{"required": ["a"]},
+                                                          {"required": ["b"]}]},
+    {"$defs": {"base": {"type": "object", "properties": {"a": INT}}},
+     "$ref": "#/$defs/base", "required": ["a"], "properties": {"b": STR}},
+])
+def test_siblings_of_combinators_move_into_them_exactly(schema: dict[str, Any]) -> None:
+    rewritten = distribute_siblings(copy.deepcopy(schema))
+    assert dropped_siblings(rewritten)[1] == []
+    _assert_exact(schema, rewritten, "abc")
+
+
+def test_siblings_are_reported_when_they_cannot_move() -> None:
+    schema = {"type": "object", "anyOf": [{"type": "string"}, {"required": ["a"]}]}
+    prepared = prepare_json_schema(json.dumps(schema), "xgrammar")  # no common type: kept
+    assert prepared.guard is not None
+    assert "#/type (dropped beside anyOf)" in [str(p) for p in prepared.guard.problems]
+
+
+def test_xgrammar_keeps_what_sat_beside_anyof(xgrammar) -> None:
+    """Regression: xgrammar built `{"type": "object", ..., "anyOf": [...]}` from anyOf alone,
+    so a number or an object without the required "id" was a finished output."""
+    schema = {"type": "object", "properties": {"id": INT, "a": STR, "b": STR},
+              "required": ["id"], "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    compiled = xgrammar.compile("json_schema", json.dumps(schema))
+    assert force_text(compiled.matcher(), xgrammar.vocab, "7") is None
+    assert force_text(compiled.matcher(), xgrammar.vocab, '{"a": "x"}') is None
+    assert force_text(compiled.matcher(), xgrammar.vocab, '{"id": 1, "a": "x"}') is not None
