@@ -192,7 +192,7 @@ class JsonTracker:
         elif byte == 0x22:
             if self._str_key:
                 if self._stack:
-                    self._stack[-1][_LAST_KEY] = json.loads(self.text[self._start:pos + 1])
+                    self._stack[-1][_LAST_KEY] = _key(bytes(self.text[self._start:pos + 1]))
                 self._mode = _COLON
             else:
                 self._mode = _AFTER if self._stack else _DONE
@@ -212,6 +212,14 @@ class JsonTracker:
         self._mode = _AFTER if self._stack else _DONE
         events.append(Close(frame[_START], pos + 1, frame[_PATH], frame[_SITE],
                             self._stack[-1] if self._stack else None, 0))
+
+
+def _key(raw: bytes) -> str:
+    """A property name from its JSON text (undecodable bytes replaced, never an error)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return json.loads(raw.decode("utf-8", errors="replace"), strict=False)
 
 
 def pointer(path: tuple[str | int, ...]) -> str:

@@ -122,8 +122,9 @@ class GuardPlan:
         for ptr, node in site.validate:
             try:
                 error = best_match(self._validator.evolve(schema=node).iter_errors(value))
-            except Exception:  # noqa: BLE001 - a schema jsonschema cannot apply: no verdict
-                continue
+            except Exception as e:  # noqa: BLE001 - e.g. 1e999 under multipleOf: not provably
+                return (f"value at {pointer(event.path) or '/'} cannot be validated against "
+                        f"schema {ptr}: {type(e).__name__}: {e}")
             if error is not None:
                 where = pointer(event.path + tuple(error.absolute_path)) or "/"
                 keyword_at = "/".join(str(p) for p in error.absolute_schema_path)

@@ -9,6 +9,17 @@ engine then generates still validates against the schema the user sent:
   matches any Unicode digit ("３༣69-12-06").
 - outlines-core: `\\d` in a `pattern` becomes `[0-9]` (JSON Schema patterns are ECMA-262, where
   `\\d` is ASCII).
+- `enum` / `const` beside `type`: the values of another type are dropped from `enum` (both
+  engines generate every listed value whatever `type` says). A `const` or an `enum` left with
+  no value is kept (`schema_check` reports it).
+- Closed by default, but not where that leaves no value: an array whose `minItems` exceeds its
+  `prefixItems` and that has no `items` gets `items: {}`, an object whose `minProperties`
+  exceeds its `properties` and that has neither `additionalProperties` nor
+  `patternProperties` gets `additionalProperties: {}` (what JSON Schema means by leaving them
+  out).
+- xgrammar: an optional group `(...)?` in a `pattern` becomes the equal `(...|)`. xgrammar
+  0.2.9 builds `^1(-[a-z]+)?$` so that it also matches "1x" (the group's first character
+  goes missing when the optional group ends the pattern).
 
 Grammar-level defects of xgrammar are mended in `xgrammar_backend`. Rewrites happen in
 place on the fresh object `schema_check.checked_schema` returns. This module does not decide
@@ -42,6 +53,13 @@ def rewrite_schema(schema: Any, backend: str) -> Any:
             node["pattern"] = FORMAT_PATTERNS[fmt]
         if backend == "outlines" and isinstance(node.get("pattern"), str):
             node["pattern"] = ascii_digits(node["pattern"])
+        _open_if_unsatisfiable(node)
+        if "type" in node and isinstance(node.get("enum"), list):
+            kept = [v for v in node["enum"] if has_type(v, node["type"])]
+            if kept:
+                node["enum"] = kept
+        if backend == "xgrammar" and isinstance(node.get("pattern"), str):
+            node["pattern"] = optional_groups(node["pattern"])
     return schema
 
 
@@ -63,3 +81,61 @@ def ascii_digits(pattern: str) -> str:
             in_class = False
         out.append(ch)
     return "".join(out)
+
+
+def optional_groups(pattern: str) -> str:
+    """Rewrite each greedy optional group `(...)?` as `(...|)` (the same language)."""
+    out: list[str] = []
+    escaped = in_class = False
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == ")" and pattern[i + 1:i + 2] == "?" and pattern[i + 2:i + 3] not in ("?", "+"):
+            out.append("|)")
+            i += 2
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def has_type(value: Any, declared: Any) -> bool:
+    """Whether a JSON value is of the JSON Schema `type` (a name or a list of names)."""
+    names = [declared] if isinstance(declared, str) else declared
+    if not isinstance(names, list):
+        return True
+    return any(_is(value, name) for name in names)
+
+
+def _is(value: Any, name: Any) -> bool:
+    if name == "integer":
+        return isinstance(value, int | float) and not isinstance(value, bool) and \
+            float(value).is_integer()
+    if name == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    kinds = {"string": str, "boolean": bool, "array": list, "object": dict}
+    if name == "null":
+        return value is None
+    return name in kinds and isinstance(value, kinds[name]) or name not in (*kinds, "null")
+
+
+def _open_if_unsatisfiable(node: dict[str, Any]) -> None:
+    prefix = node.get("prefixItems")
+    least = node.get("minItems")
+    if isinstance(least, int) and "items" not in node and least > (
+            len(prefix) if isinstance(prefix, list) else 0):
+        node["items"] = {}
+    properties = node.get("properties")
+    least = node.get("minProperties")
+    if isinstance(least, int) and "additionalProperties" not in node and \
+            "patternProperties" not in node and least > (
+                len(properties) if isinstance(properties, dict) else 0):
+        node["additionalProperties"] = {}

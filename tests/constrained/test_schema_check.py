@@ -12,7 +12,7 @@ from arborlm.constrained.base import GrammarBackend
 from arborlm.constrained.schema_allof import merge_all_of
 from arborlm.constrained.schema_check import check_schema_supported
 from arborlm.constrained.schema_oneof import oneof_branches_disjoint
-from arborlm.constrained.schema_rewrite import FORMAT_PATTERNS, ascii_digits
+from arborlm.constrained.schema_rewrite import FORMAT_PATTERNS, ascii_digits, optional_groups
 from arborlm.errors import GrammarError
 from tests.constrained.conftest import EOS, VOCAB
 from tests.constrained.driver import force_text, generate
@@ -157,3 +157,35 @@ def test_json_whitespace_is_bounded_by_default(tokenizer, name: str) -> None:
     if result.terminated:
         json.loads(text)
     assert "\n" not in text and "\t" not in text  # raw, i.e. outside strings
+
+
+def test_xgrammar_optional_groups_keep_their_first_character(xgrammar: GrammarBackend) -> None:
+    """Regression: xgrammar built `^1(-[a-z]+)?$` so that "1x" matched; `(...)?` is now
+    written `(...|)`."""
+    assert optional_groups(r"^1(-[a-z]+)?$") == r"^1(-[a-z]+|)$"
+    assert optional_groups(r"^a\)?[)?](b)??$") == r"^a\)?[)?](b)??$"
+    compiled = xgrammar.compile("json_schema", json.dumps(
+        {"type": "string", "pattern": r"^[0-9]\.[0-9](-[0-9A-Za-z]+)?$"}))
+    for text, valid in (("1.2", True), ("1.2-rc1", True), ("1.2rc1", False)):
+        assert (force_text(compiled.matcher(), xgrammar.vocab, json.dumps(text))
+                is not None) == valid, text
+
+
+def test_enum_values_of_another_type_are_dropped(xgrammar: GrammarBackend) -> None:
+    """Regression: both engines generate every enum value whatever `type` says."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, "1", 2.0]}}}
+    compiled = xgrammar.compile("json_schema", json.dumps(schema))
+    assert force_text(compiled.matcher(), xgrammar.vocab, '{"n": "1"}') is None
+    assert force_text(compiled.matcher(), xgrammar.vocab, '{"n": 1}') is not None
+    with pytest.raises(GrammarError, match="no value of type"):
+        check_schema_supported({"type": "object", "enum": ["a"]})
+
+
+def test_closed_defaults_do_not_make_schemas_unsatisfiable(xgrammar: GrammarBackend) -> None:
+    """An array with `minItems` and no `items`, an object with `minProperties` and nothing to
+    fill it: ArborLM's closed default would leave no value, so they stay open."""
+    arrays = xgrammar.compile("json_schema", json.dumps({"type": "array", "minItems": 2}))
+    assert force_text(arrays.matcher(), xgrammar.vocab, '[1, "a"]') is not None
+    objects = xgrammar.compile("json_schema", json.dumps({"type": "object",
+                                                          "minProperties": 1}))
+    assert force_text(objects.matcher(), xgrammar.vocab, '{"k": 1}') is not None
