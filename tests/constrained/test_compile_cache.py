@@ -38,6 +38,17 @@ def test_cache_hit_returns_the_same_grammar(compiler: GrammarCompiler) -> None:
     assert compiler.stats.misses == 2  # the key includes the backend
 
 
+def test_strict_is_part_of_the_key(compiler: GrammarCompiler) -> None:
+    remote = json.dumps({"type": "object", "properties": {"a": {"$ref": "https://x.test/a"}}})
+    with pytest.raises(GrammarError, match="#/properties/a/\\$ref"):
+        compiler.submit("json_schema", remote).result(timeout=30)
+    loose = compiler.submit("json_schema", remote, strict=False).result(timeout=30)
+    assert loose.unenforced and "#/properties/a/$ref" in loose.unenforced[0]
+    assert compiler.submit("json_schema", remote, strict=False).result() is loose
+    assert compiler.submit("regex", "ab", strict=False).result(timeout=30) is \
+        compiler.submit("regex", "ab").result(timeout=30)  # strict only matters for schemas
+
+
 def test_concurrent_submits_share_one_compile(compiler: GrammarCompiler) -> None:
     futures = [compiler.submit("regex", "[a-f]{3}x") for _ in range(5)]
     results = {id(f.result(timeout=30)) for f in futures}
