@@ -33,6 +33,7 @@ from arborlm.constrained.schema_oneof import lookup_ref
 from arborlm.constrained.schema_walk import iter_schema_nodes, subschemas
 
 _MAX_DEPTH = 16
+MAX_CACHED_SITES = 4096  # per plan
 
 
 class Site:
@@ -89,7 +90,8 @@ class GuardPlan:
         found = self._children.get(key)
         if found is None:
             found = self._site(_expand(_children(site.schemas, segment), self.schema))
-            self._children[key] = found
+            if len(self._children) < MAX_CACHED_SITES:  # free-form keys must not grow it
+                self._children[key] = found
         return found
 
     def check(self, events: list[Close | Grow], text: bytearray) -> str | None:
