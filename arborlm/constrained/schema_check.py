@@ -37,7 +37,7 @@ from arborlm.constrained.schema_allof import merge_all_of
 from arborlm.constrained.schema_branches import branch_conditionals
 from arborlm.constrained.schema_oneof import lookup_ref, oneof_branches_disjoint
 from arborlm.constrained.schema_required import define_required
-from arborlm.constrained.schema_rewrite import has_type
+from arborlm.constrained.schema_rewrite import enum_value_fits
 from arborlm.constrained.schema_siblings import distribute_siblings
 from arborlm.constrained.schema_walk import (
     dropped_siblings,
@@ -199,10 +199,12 @@ def _unsupported(key: str, value: Any, node: dict[str, Any], backend: str,
         standard = isinstance(value, str) and value in _STANDARD_FORMATS
         return f"format {value!r} not checked" if standard and value not in _FORMATS[
             backend] else None
-    if key in ("enum", "const") and "type" in node and not any(
-            has_type(v, node["type"]) for v in (value if key == "enum" and isinstance(
+    if key in ("enum", "const") and not any(
+            enum_value_fits(v, node) for v in (value if key == "enum" and isinstance(
                 value, list) else [value])):
-        return f"no value of type {node['type']!r} (the engine ignores type here)"
+        return "no value satisfies the node's other keywords (the engine ignores them here)"
+    if key == "pattern" and supports_format(backend, node.get("format")):
+        return f"dropped beside format {node['format']!r}"
     if key == "required" and isinstance(value, list):
         return _undefined_required(value, node)
     if key == "$ref" and isinstance(value, str) and not value.startswith("#"):

@@ -9,9 +9,10 @@ engine then generates still validates against the schema the user sent:
   matches any Unicode digit ("３༣69-12-06").
 - outlines-core: `\\d` in a `pattern` becomes `[0-9]` (JSON Schema patterns are ECMA-262, where
   `\\d` is ASCII).
-- `enum` / `const` beside `type`: the values of another type are dropped from `enum` (both
-  engines generate every listed value whatever `type` says). A `const` or an `enum` left with
-  no value is kept (`schema_check` reports it).
+- `enum` beside other keywords: the values that fail them (another `type`, too long, below
+  `minimum`, ...) are dropped from `enum` (both engines generate every listed value whatever
+  the rest of the node says). A `const` or an `enum` left with no value is kept
+  (`schema_check` reports it).
 - Closed by default, but not where that leaves no value: an array whose `minItems` exceeds its
   `prefixItems` and that has no `items` gets `items: {}`, an object whose `minProperties`
   exceeds its `properties` and that has neither `additionalProperties` nor
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arborlm.constrained.schema_walk import iter_schema_nodes
+from arborlm.constrained.schema_walk import CONSTRAINTS, iter_schema_nodes
 
 _DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
         "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
@@ -54,8 +55,8 @@ def rewrite_schema(schema: Any, backend: str) -> Any:
         if backend == "outlines" and isinstance(node.get("pattern"), str):
             node["pattern"] = ascii_digits(node["pattern"])
         _open_if_unsatisfiable(node)
-        if "type" in node and isinstance(node.get("enum"), list):
-            kept = [v for v in node["enum"] if has_type(v, node["type"])]
+        if isinstance(node.get("enum"), list):
+            kept = [v for v in node["enum"] if enum_value_fits(v, node)]
             if kept:
                 node["enum"] = kept
         if backend == "xgrammar" and isinstance(node.get("pattern"), str):
@@ -139,3 +140,19 @@ def _open_if_unsatisfiable(node: dict[str, Any]) -> None:
             "patternProperties" not in node and least > (
                 len(properties) if isinstance(properties, dict) else 0):
         node["additionalProperties"] = {}
+
+
+def enum_value_fits(value: Any, node: dict[str, Any]) -> bool:
+    """Whether an `enum` / `const` value of `node` satisfies the node's other keywords (True
+    when that cannot be told here: references, combinators, a keyword jsonschema rejects)."""
+    if "type" in node and not has_type(value, node["type"]):
+        return False
+    rest = {k: v for k, v in node.items() if k in CONSTRAINTS and k not in ("enum", "const")}
+    if not rest or any(k in rest for k in ("$ref", "anyOf", "oneOf", "allOf", "not", "if")):
+        return True
+    from jsonschema import Draft202012Validator
+
+    try:
+        return Draft202012Validator(rest).is_valid(value)
+    except Exception:  # noqa: BLE001 - e.g. draft-4 boolean exclusiveMinimum: cannot tell
+        return True

@@ -30,6 +30,8 @@ STR = {"type": "string"}
      "#/required (names properties it does not define: b)"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "xgrammar", "#/maxLength"),
     ({"type": "string", "format": "idn-email"}, "xgrammar", "#/format"),
+    ({"type": "string", "format": "uuid", "pattern": "^a"}, "xgrammar",
+     "#/pattern (dropped beside format 'uuid')"),
     ({"$defs": {"x": {"type": "array", "contains": INT}}, "$ref": "#/$defs/x"}, "xgrammar",
      "#/$defs/x/contains"),
     ({"oneOf": [INT, {"type": "number"}]}, "xgrammar", "#/oneOf"),
@@ -171,13 +173,15 @@ def test_xgrammar_optional_groups_keep_their_first_character(xgrammar: GrammarBa
                 is not None) == valid, text
 
 
-def test_enum_values_of_another_type_are_dropped(xgrammar: GrammarBackend) -> None:
-    """Regression: both engines generate every enum value whatever `type` says."""
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, "1", 2.0]}}}
+def test_enum_values_that_fail_the_other_keywords_are_dropped(xgrammar: GrammarBackend) -> None:
+    """Regression: both engines generate every enum value whatever the rest says."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, "1", 2.0]},
+                                               "s": {"enum": ["a", "bb"], "maxLength": 1}}}
     compiled = xgrammar.compile("json_schema", json.dumps(schema))
     assert force_text(compiled.matcher(), xgrammar.vocab, '{"n": "1"}') is None
     assert force_text(compiled.matcher(), xgrammar.vocab, '{"n": 1}') is not None
-    with pytest.raises(GrammarError, match="no value of type"):
+    assert force_text(compiled.matcher(), xgrammar.vocab, '{"s": "bb"}') is None
+    with pytest.raises(GrammarError, match="no value satisfies"):
         check_schema_supported({"type": "object", "enum": ["a"]})
 
 
