@@ -13,11 +13,13 @@ It compiles nothing; the backend compiles `schema` and hands the plan to its mat
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 from arborlm.constrained.base import ANY_JSON
 from arborlm.constrained.schema_check import (
+    Problem,
     exactly_rewritten,
     format_problems,
     parse_schema,
@@ -25,6 +27,7 @@ from arborlm.constrained.schema_check import (
 )
 from arborlm.constrained.schema_guard import GuardPlan
 from arborlm.constrained.schema_rewrite import rewrite_schema
+from arborlm.constrained.schema_walk import iter_schema_nodes
 from arborlm.errors import GrammarError
 
 
@@ -47,4 +50,17 @@ def prepare_json_schema(spec: str, backend: str, strict: bool = True) -> Prepare
                            "report them)", param="json_schema")
     guarded = [p for p in problems if p.guardable]
     plan = GuardPlan(schema, guarded) if guarded else None
-    return PreparedSchema(schema, plan, tuple(str(p) for p in refused))
+    return PreparedSchema(_engine_schema(schema, guarded), plan, tuple(str(p) for p in refused))
+
+
+def _engine_schema(schema: Any, guarded: list[Problem]) -> Any:
+    """What the engine compiles: `schema`, less the formats the guard checks instead (an
+    engine may refuse a format it does not know rather than drop it)."""
+    formats = {p.node.get("format") for p in guarded if p.keyword == "format"}
+    if not formats:
+        return schema
+    engine = copy.deepcopy(schema)
+    for node in iter_schema_nodes(engine):
+        if node.get("format") in formats:
+            del node["format"]
+    return engine

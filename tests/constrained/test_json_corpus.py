@@ -37,6 +37,8 @@ def test_corpus_is_large_and_varied() -> None:
 
 def test_corpus_outputs_validate(backend: GrammarBackend, capsys: pytest.CaptureFixture) -> None:
     refused: dict[str, str] = {}
+    aborted: dict[str, str] = {}  # the semantic guard found no valid continuation
+    unfinished: list[str] = []  # guarded schemas the noise model did not finish in budget
     outputs = terminated = 0
     bias = closing_bias(backend.vocab)
     for seed, (name, schema) in enumerate(CORPUS):
@@ -49,7 +51,11 @@ def test_corpus_outputs_validate(backend: GrammarBackend, capsys: pytest.Capture
             continue
         result = generate(compiled.matcher(), backend.vocab, seed=seed, bias=bias)
         outputs += 1
+        if result.aborted:
+            aborted[name] = result.aborted
         if not result.terminated:
+            if getattr(compiled, "guard", None) is not None:
+                unfinished.append(name)
             continue
         terminated += 1
         value = json.loads(result.text(backend.vocab))
@@ -60,22 +66,31 @@ def test_corpus_outputs_validate(backend: GrammarBackend, capsys: pytest.Capture
               f"({skipped} skipped as too slow); refused {len(refused)}:")
         for name, reason in refused.items():
             print(f"  {name}: {reason}")
+        print(f"  guarded, unfinished: {unfinished}; aborted by the guard: {aborted}")
     assert all(reason.strip() for reason in refused.values())
-    assert terminated >= 0.9 * outputs
+    # Schemas whose grammar enforces everything finish. Those that need the semantic guard
+    # (outlines drops integer bounds and formats: the grammar allows any integer or string)
+    # may run past the noise model's budget or abort; they were refused before the guard.
+    assert terminated >= 0.9 * (outputs - len(unfinished))
     if backend.name == "xgrammar":
         assert outputs >= 0.95 * len(CORPUS), refused
 
 
 def test_outlines_refusals_name_their_reason(backends: dict[str, GrammarBackend]) -> None:
+    """What outlines-core drops is refused, with its pointer, only where the semantic guard
+    cannot check it either (names it would write as invalid JSON); the rest is guarded."""
     outlines = backends["outlines"]
-    cases = {
+    guarded = {
         "int_range": "#/minimum",
         "additional_true": "#/additionalProperties",
-        "pattern_properties": "#/patternProperties",
         "format_ipv4": "#/format",
-        "escaped_keys": "#/properties",
     }
     schemas = dict(CORPUS)
-    for name, pointer in cases.items():
-        with pytest.raises(GrammarError, match=pointer):
-            outlines.compile("json_schema", json.dumps(schemas[name]))
+    for name, pointer in guarded.items():
+        compiled = outlines.compile("json_schema", json.dumps(schemas[name]))
+        assert compiled.guard is not None and compiled.unenforced == ()
+        assert any(str(p).startswith(pointer) for p in compiled.guard.problems), name
+    with pytest.raises(GrammarError, match="#/properties"):
+        outlines.compile("json_schema", json.dumps(schemas["escaped_keys"]))
+    with pytest.raises(GrammarError, match="for outlines"):  # the engine's own refusal
+        outlines.compile("json_schema", json.dumps(schemas["pattern_properties"]))
