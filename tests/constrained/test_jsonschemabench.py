@@ -3,7 +3,7 @@
 Each compile either succeeds or fails with a `GrammarError` naming the problem, within the time
 limit; nothing crashes or hangs. Outputs of the schemas that compile validate against them. In
 strict mode xgrammar (with rewrites and the semantic guard) accepts at least `ACCEPT_TARGET` of
-the whole file, and sampled outputs of the schemas that need the guard validate.
+the whole file, and a sampled output of every accepted schema validates when it finishes.
 """
 
 from __future__ import annotations
@@ -111,19 +111,25 @@ def test_strict_mode_accepts_nearly_every_schema(strict_results,
 
 
 @pytest.mark.skipif(not BENCH.exists(), reason=f"{BENCH} not present")
-def test_guarded_schemas_finish_only_valid_outputs(strict_results) -> None:
-    """Schemas that need the semantic guard: sampled outputs (rejected tokens resampled, as the
-    decode loop does) that finish all validate against the schema the user sent."""
+def test_accepted_schemas_finish_only_valid_outputs(strict_results) -> None:
+    """One sampled output per accepted schema (rejected tokens resampled, as the decode loop
+    does): every output that finishes validates against the schema the user sent."""
     backend, results = strict_results
-    guarded = [(row, grammar) for row, grammar in results
-               if not isinstance(grammar, GrammarError) and grammar.guard is not None]
-    assert guarded
-    vocab = backend.vocab
-    bias = closing_bias(vocab)
-    finished = 0
-    for seed, (row, grammar) in enumerate(random.Random(7).sample(guarded, min(30, len(guarded)))):
-        result = generate(grammar.matcher(), vocab, seed=seed, budget=300, bias=bias)
-        if result.terminated:
-            jsonschema.validate(json.loads(result.text(vocab)), row["schema"])
-            finished += 1
-    assert finished >= 10
+    bias = closing_bias(backend.vocab)
+    finished = {True: 0, False: 0}  # by whether the schema needs the guard
+    invalid = []
+    for seed, (row, grammar) in enumerate(results):
+        if isinstance(grammar, GrammarError):
+            continue
+        result = generate(grammar.matcher(), backend.vocab, seed=seed, budget=300, bias=bias)
+        if not result.terminated:
+            continue
+        finished[grammar.guard is not None] += 1
+        try:
+            jsonschema.validate(json.loads(result.text(backend.vocab)), row["schema"])
+        except jsonschema.SchemaError:
+            continue  # not a valid schema for its own draft: no verdict possible
+        except jsonschema.ValidationError as e:
+            invalid.append(f"{row['id']}: {e.message[:120]}")
+    assert not invalid
+    assert finished[True] >= 40 and finished[False] >= 300, finished
