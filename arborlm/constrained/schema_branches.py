@@ -1,12 +1,14 @@
 """Turn property dependencies and `if`/`then`/`else` into `anyOf` branches a grammar can build.
 
-Neither engine enforces `dependentRequired` (draft 2019-09+), the array form of `dependencies`
-(drafts 4 to 7) or `if`/`then`/`else`. Each is a disjunction a grammar can express, so
-`branch_conditionals` rewrites an object node N in place into an `anyOf` of full copies of N:
+Neither engine enforces `dependentRequired` / `dependentSchemas` (draft 2019-09+),
+`dependencies` (drafts 4 to 7) or `if`/`then`/`else`. Each is a disjunction a grammar can
+express, so `branch_conditionals` rewrites an object node N in place into an `anyOf` of full
+copies of N:
 
 - a dependency "when `a` is present, `b` and `c` must be": one branch where `a` is absent (not
   in `properties`; plus `not: {required: [a]}` unless N's objects are closed anyway) and one
-  where `a`, `b` and `c` are all required. Up to three dependencies (eight branches), branches
+  where `a`, `b` and `c` are all required (and, for a schema dependency, its schema merged in
+  with `schema_allof.merge_schemas`). Up to three dependencies (eight branches), branches
   that contradict N's own `required` left out;
 - `if: I, then: T, else: E`: the branches N ∧ I ∧ T (merged into one schema with
   `schema_allof.merge_schemas`) and N ∧ E with `not: I`, which is exact because I either holds
@@ -31,6 +33,7 @@ MAX_DEPENDENCIES = 3
 _COMBINED = ("anyOf", "oneOf", "allOf", "$ref", "not")
 _KEPT = frozenset({"$schema", "$id", "id", "$defs", "definitions", "$comment", "title",
                    "description"})
+_DEPENDENCY_KEYS = ("dependentRequired", "dependencies", "dependentSchemas")
 _REF = re.compile(r'"\$ref": "(#[^"]*)"')
 
 
@@ -45,40 +48,45 @@ def branch_conditionals(schema: Any) -> Any:
         if "if" in node and ("then" in node or "else" in node):
             _rewrite_if(node, schema)
         elif _dependencies(node):
-            _rewrite_dependencies(node)
+            _rewrite_dependencies(node, schema)
     return schema
 
 
-def _dependencies(node: dict[str, Any]) -> dict[str, list[str]] | None:
-    """The name -> required names dependencies of `node`, or None when there are none or
-    one is not of that form (a schema dependency)."""
-    found: dict[str, list[str]] = {}
-    for key in ("dependentRequired", "dependencies"):
+def _dependencies(node: dict[str, Any]) -> dict[str, tuple[list[str], list[Any]]] | None:
+    """name -> (the names it requires, the schemas it brings in) for the dependencies of
+    `node`, or None when there are none or one cannot be branched (`false`, not an object)."""
+    found: dict[str, tuple[list[str], list[Any]]] = {}
+    for key in ("dependentRequired", "dependencies", "dependentSchemas"):
         value = node.get(key)
         if value is None:
             continue
         if not isinstance(value, dict):
             return None
-        for name, needed in value.items():
-            if not isinstance(needed, list) or not all(isinstance(n, str) for n in needed):
+        for name, dependency in value.items():
+            needed, schemas = found.get(name, ([], []))
+            if isinstance(dependency, list) and key != "dependentSchemas" and all(
+                    isinstance(n, str) for n in dependency):
+                needed = list(dict.fromkeys(needed + dependency))
+            elif isinstance(dependency, dict) and key != "dependentRequired":
+                schemas = schemas + ([dependency] if dependency else [])
+            elif dependency is not True:
                 return None
-            found[name] = list(dict.fromkeys(found.get(name, []) + needed))
+            found[name] = (needed, schemas)
     return found or None
 
 
-def _rewrite_dependencies(node: dict[str, Any]) -> None:
+def _rewrite_dependencies(node: dict[str, Any], root: Any) -> None:
     dependencies = _dependencies(node) or {}
     required = set(node.get("required") or ())
     closed = node.get("additionalProperties", True) is False and "patternProperties" not in node
-    live = {name: needed for name, needed in dependencies.items()
-            if not set(needed) <= required and (not closed or name in (
-                node.get("properties") or {}))}
+    live = {name: dependency for name, dependency in dependencies.items()
+            if (dependency[1] or not set(dependency[0]) <= required) and (
+                not closed or name in (node.get("properties") or {}))}
     if not live or len(live) > MAX_DEPENDENCIES:
         return
-    base = {k: v for k, v in node.items()
-            if k not in _KEPT and k not in ("dependentRequired", "dependencies")}
+    base = {k: v for k, v in node.items() if k not in _KEPT and k not in _DEPENDENCY_KEYS}
     branches: list[tuple[dict[str, Any], list[str]]] = [(base, [])]
-    for name, needed in live.items():
+    for name, (needed, schemas) in live.items():
         grown = []
         for branch, absent in branches:
             if name not in (branch.get("required") or ()):
@@ -86,9 +94,13 @@ def _rewrite_dependencies(node: dict[str, Any]) -> None:
                               if k != name}
                 grown.append(({**branch, "properties": properties}, absent + [name]))
             if not set(needed) & set(absent):
-                merged = list(dict.fromkeys(list(branch.get("required") or ()) + [name] +
-                                            needed))
-                grown.append(({**branch, "required": merged}, absent))
+                merged: dict[str, Any] | None = {**branch, "required": list(dict.fromkeys(
+                    list(branch.get("required") or ()) + [name] + needed))}
+                if schemas:
+                    merged = merge_schemas([merged, *schemas], root)
+                    if merged is None:
+                        return  # not exact as one schema: left to the guard
+                grown.append((merged, absent))
         branches = grown
     if not branches:
         return

@@ -69,6 +69,11 @@ def test_forbidden_required_names_are_left_alone() -> None:
     ({"type": "object", "properties": {"a": INT}, "required": ["a"],
       "dependencies": {"a": ["b"], "b": ["c"]}}, Draft7Validator),
     ({"type": "object", "properties": {"a": INT, "b": STR},
+      "dependentSchemas": {"a": {"properties": {"b": {"const": "s"}}, "required": ["b"]}},
+      "dependentRequired": {"b": ["c"]}}, Draft202012Validator),
+    ({"type": "object", "properties": {"a": INT, "b": STR}, "additionalProperties": False,
+      "dependencies": {"a": {"maxProperties": 1}}}, Draft7Validator),
+    ({"type": "object", "properties": {"a": INT, "b": STR},
       "if": {"properties": {"a": {"const": 1}}, "required": ["a"]},
       "then": {"required": ["b"]}, "else": {"properties": {"b": {"const": "s"}}}},
      Draft7Validator),
@@ -78,7 +83,7 @@ def test_forbidden_required_names_are_left_alone() -> None:
 def test_conditionals_become_branches_exactly(schema: dict[str, Any], cls: Any) -> None:
     rewritten = branch_conditionals(copy.deepcopy(schema))
     assert "anyOf" in rewritten
-    assert not {"dependencies", "dependentRequired", "if"} & set(rewritten)
+    assert not {"dependencies", "dependentRequired", "dependentSchemas", "if"} & set(rewritten)
     _assert_exact(schema, rewritten, "abc", cls)
     prepared = define_required(copy.deepcopy(rewritten))
     _assert_exact(schema, prepared, "abc", cls)
