@@ -18,6 +18,9 @@ engine then generates still validates against the schema the user sent:
   exceeds its `properties` and that has neither `additionalProperties` nor
   `patternProperties` gets `additionalProperties: {}` (what JSON Schema means by leaving them
   out).
+- `minLength` / `maxLength` beside a `pattern` that repeats one character class
+  (`^[a-z0-9_-]+$`): the bounds become the repetition's (`^[a-z0-9_-]{3,64}$`), which the
+  engines enforce (beside a `pattern` they drop length bounds); `minLength: 0` is dropped.
 - xgrammar: an optional group `(...)?` in a `pattern` becomes the equal `(...|)`. xgrammar
   0.2.9 builds `^1(-[a-z]+)?$` so that it also matches "1x" (the group's first character
   goes missing when the optional group ends the pattern).
@@ -29,6 +32,7 @@ what is supported; `schema_check` does, before it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from arborlm.constrained.schema_walk import CONSTRAINTS, iter_schema_nodes
@@ -55,6 +59,7 @@ def rewrite_schema(schema: Any, backend: str) -> Any:
         if backend == "outlines" and isinstance(node.get("pattern"), str):
             node["pattern"] = ascii_digits(node["pattern"])
         _open_if_unsatisfiable(node)
+        _bound_pattern(node)
         if isinstance(node.get("enum"), list):
             kept = [v for v in node["enum"] if enum_value_fits(v, node)]
             if kept:
@@ -156,3 +161,27 @@ def enum_value_fits(value: Any, node: dict[str, Any]) -> bool:
         return Draft202012Validator(rest).is_valid(value)
     except Exception:  # noqa: BLE001 - e.g. draft-4 boolean exclusiveMinimum: cannot tell
         return True
+
+
+_ONE_CLASS = re.compile(r"^\^?((?:\[(?:[^\]\\\[]|\\.)+\])|\\[wdsWDS]|\.)([+*])\$?$")
+
+
+def _bound_pattern(node: dict[str, Any]) -> None:
+    if node.get("minLength") == 0:
+        del node["minLength"]
+    pattern = node.get("pattern")
+    low, high = node.get("minLength"), node.get("maxLength")
+    if not isinstance(pattern, str) or (low is None and high is None):
+        return
+    if not all(b is None or isinstance(b, int) and not isinstance(b, bool) for b in (low, high)):
+        return
+    match = _ONE_CLASS.match(pattern)
+    if match is None:
+        return
+    atom, repeat = match.groups()
+    least = max(low or 0, 1 if repeat == "+" else 0)
+    if high is not None and high < least:
+        return
+    node["pattern"] = f"^{atom}{{{least},{'' if high is None else high}}}$"
+    node.pop("minLength", None)
+    node.pop("maxLength", None)

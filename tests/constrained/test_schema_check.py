@@ -193,3 +193,14 @@ def test_closed_defaults_do_not_make_schemas_unsatisfiable(xgrammar: GrammarBack
     objects = xgrammar.compile("json_schema", json.dumps({"type": "object",
                                                           "minProperties": 1}))
     assert force_text(objects.matcher(), xgrammar.vocab, '{"k": 1}') is not None
+
+
+def test_length_bounds_join_a_one_class_pattern(xgrammar: GrammarBackend) -> None:
+    """minLength/maxLength beside a pattern that repeats one class become the repetition's
+    bounds, which the grammar enforces (no guard needed)."""
+    schema = {"type": "string", "pattern": "^[a-z_]+$", "minLength": 2, "maxLength": 4}
+    compiled = xgrammar.compile("json_schema", json.dumps(schema))
+    assert compiled.guard is None
+    for text, valid in (("a", False), ("ab", True), ("abcd", True), ("abcde", False)):
+        assert (force_text(compiled.matcher(), xgrammar.vocab, json.dumps(text))
+                is not None) == valid, text
