@@ -125,9 +125,11 @@ class GrammarMatcher(abc.ABC):
 
         A token is forced when the mask allows exactly that one token; the walk stops at the
         first state that allows two or more (or none), after `max_tokens`, or after a forced stop
-        token (which is then the last element). Because every returned token is the only one
-        the mask admits, any sampler would pick it: appending these tokens without a decode
-        step per token leaves the output identical, greedy or not.
+        token (which is then the last element), and before a forced token `check_token`
+        rejects (the decode loop then samples there and meets the rejection itself). Because
+        every returned token is the only one the mask admits, any sampler would pick it:
+        appending these tokens without a decode step per token leaves the output identical,
+        greedy or not.
         """
         row = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)  # [1, ceil(V/32)]
         forced: list[int] = []
