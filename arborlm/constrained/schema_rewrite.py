@@ -21,6 +21,9 @@ engine then generates still validates against the schema the user sent:
 - `minLength` / `maxLength` beside a `pattern` that repeats one character class
   (`^[a-z0-9_-]+$`): the bounds become the repetition's (`^[a-z0-9_-]{3,64}$`), which the
   engines enforce (beside a `pattern` they drop length bounds); `minLength: 0` is dropped.
+- `uniqueItems` over a finite set of item values (`items` an `enum`, a `const` or booleans):
+  `maxItems` becomes at most the number of distinct values, exactly what uniqueness implies,
+  so the grammar closes the array before the semantic guard would meet a dead end.
 - xgrammar: an optional group `(...)?` in a `pattern` becomes the equal `(...|)`. xgrammar
   0.2.9 builds `^1(-[a-z]+)?$` so that it also matches "1x" (the group's first character
   goes missing when the optional group ends the pattern).
@@ -32,6 +35,7 @@ what is supported; `schema_check` does, before it.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -60,6 +64,7 @@ def rewrite_schema(schema: Any, backend: str) -> Any:
             node["pattern"] = ascii_digits(node["pattern"])
         _open_if_unsatisfiable(node)
         _bound_pattern(node)
+        _bound_unique_items(node)
         if isinstance(node.get("enum"), list):
             kept = [v for v in node["enum"] if enum_value_fits(v, node)]
             if kept:
@@ -185,3 +190,32 @@ def _bound_pattern(node: dict[str, Any]) -> None:
     node["pattern"] = f"^{atom}{{{least},{'' if high is None else high}}}$"
     node.pop("minLength", None)
     node.pop("maxLength", None)
+
+
+def _bound_unique_items(node: dict[str, Any]) -> None:
+    items = node.get("items")
+    if node.get("uniqueItems") is not True or not isinstance(items, dict) or \
+            "prefixItems" in node:
+        return
+    if isinstance(items.get("enum"), list):
+        values = items["enum"]
+    elif "const" in items:
+        values = [items["const"]]
+    elif items.get("type") == "boolean":
+        values = [True, False]
+    else:
+        return
+    distinct = {json.dumps(_canonical(v), sort_keys=True) for v in values}
+    bound = node.get("maxItems")
+    if not isinstance(bound, int) or len(distinct) < bound:
+        node["maxItems"] = len(distinct)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    return value

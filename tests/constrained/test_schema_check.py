@@ -204,3 +204,12 @@ def test_length_bounds_join_a_one_class_pattern(xgrammar: GrammarBackend) -> Non
     for text, valid in (("a", False), ("ab", True), ("abcd", True), ("abcde", False)):
         assert (force_text(compiled.matcher(), xgrammar.vocab, json.dumps(text))
                 is not None) == valid, text
+
+
+def test_unique_items_over_a_finite_set_bound_the_array(xgrammar: GrammarBackend) -> None:
+    """uniqueItems over enum items implies maxItems = the number of distinct values; the grammar
+    then closes the array instead of walking into a dead end the guard can only refuse."""
+    schema = {"type": "array", "items": {"enum": ["a", "b", 1, 1.0]}, "uniqueItems": True}
+    compiled = xgrammar.compile("json_schema", json.dumps(schema))
+    assert force_text(compiled.matcher(), xgrammar.vocab, '["a", 1, "b"]') is not None
+    assert force_text(compiled.matcher(), xgrammar.vocab, '["a", 1, "b",') is None
