@@ -206,8 +206,9 @@ def test_tool_calls_in_history_render_and_round_trip(client):
 # --- errors --------------------------------------------------------------------------------------
 
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+# Enforced by neither the grammar nor the semantic guard (which now covers uniqueItems, not, ...).
 UNSUPPORTED = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-    "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}
+    "type": "array", "items": {"type": "string", "format": "iri"}}}}
 BAD_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "bogus"}}}}}]
 UNSUPPORTED_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {
@@ -216,7 +217,7 @@ UNSUPPORTED_TOOL = [{"type": "function", "function": {"name": "f", "parameters":
 
 @pytest.mark.parametrize("kwargs, param, words", [
     ({"response_format": BAD_SCHEMA}, "response_format", "bogus"),
-    ({"response_format": UNSUPPORTED}, "response_format", "uniqueItems"),
+    ({"response_format": UNSUPPORTED}, "response_format", "#/items/format"),
     ({"extra_body": {"regex": "a(b"}}, "regex", "regex"),
     ({"extra_body": {"ebnf": "root ::= undefined_rule"}}, "ebnf", "undefined_rule"),
     ({"tools": BAD_TOOL, "tool_choice": "required"}, "tools", "bogus"),
@@ -252,6 +253,63 @@ def test_completions_grammar_errors_name_their_field(server):
     ok = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "hi", "max_tokens": 30, "json_schema": json.dumps(ADD)})
     jsonschema.validate(json.loads(ok.json()["choices"][0]["text"]), ADD)
+
+
+# --- strict and non-strict JSON schemas ----------------------------------------------------------
+
+# Neither xgrammar nor jsonschema checks format "iri": strict refuses it, non-strict reports it.
+IRI = {"type": "object", "properties": {"link": {"type": "string", "format": "iri",
+                                                  "maxLength": 8}}, "required": ["link"]}
+
+
+@pytest.mark.parametrize("strict", [None, True])
+def test_strict_refusal_is_a_400_naming_the_pointer(client, strict):
+    spec = {"name": "x", "schema": IRI} | ({} if strict is None else {"strict": strict})
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=5, response_format={"type": "json_schema", "json_schema": spec})
+    error = info.value.body
+    assert error["param"] == "response_format", error
+    assert "#/properties/link/format" in error["message"], error
+
+
+def _check_report(fields: dict, text: str) -> None:
+    from arborlm.server.schema_report import output_valid
+
+    assert [u.split(" ")[0] for u in fields["json_schema_unenforced"]] == [
+        "#/properties/link/format"], fields
+    assert fields["json_schema_valid"] is output_valid(text, IRI)
+
+
+def test_non_strict_reports_what_is_unenforced_and_whether_it_validated(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": IRI, "strict": False}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "response_format": fmt, **GREEDY})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    _check_report(choice, choice["message"]["content"])
+    if choice["finish_reason"] == "stop":
+        assert choice["json_schema_valid"] is True
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": MESSAGES, "response_format": fmt, "stream": True,
+            **GREEDY}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(last) == 1 and "json_schema_valid" in last[0]
+    assert all("json_schema_valid" not in c["choices"][0] for c in chunks[:-1] if c["choices"]
+               and not c["choices"][0]["finish_reason"])
+    native = {"text": "hi", "sampling_params": {"json_schema": json.dumps(IRI),
+                                                "json_schema_strict": False,
+                                                "max_new_tokens": 200, "temperature": 0}}
+    r = httpx.post(server.url + "/generate", timeout=60, json=native)
+    assert r.status_code == 200, r.text
+    _check_report(r.json()["meta_info"], r.json()["text"])
+    r = httpx.post(server.url + "/generate", timeout=60, json={
+        **native, "sampling_params": {**native["sampling_params"], "json_schema_strict": True}})
+    assert r.status_code == 400 and "#/properties/link/format" in r.text, r.text
+    plain = httpx.post(server.url + "/generate", timeout=60, json={
+        "text": "hi", "sampling_params": {"json_schema": json.dumps(ADD), "max_new_tokens": 60}})
+    assert "json_schema_valid" not in plain.json()["meta_info"]  # strict: nothing to report
 
 
 # --- tool_calls.py -------------------------------------------------------------------------------
