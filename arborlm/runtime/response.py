@@ -3,7 +3,9 @@
 The JSON is `{"text", "output_ids", "meta_info"}`. `result()` is the final object; `chunk()` is
 a streaming event whose `text` / `output_ids` are cumulative and whose logprob lists
 (`LOGPROB_KEYS`) hold only what is new since the previous chunk; `event()` is what the caller
-gets after an update (a chunk when streaming, else nothing until the final object).
+gets after an update (a chunk when streaming, else nothing until the final object). With
+logprobs, both carry `output_token_logprobs_length`: the number of output logprob entries so
+far (SGLang's field; a streaming client adds a chunk's entries to the ones it has).
 
 The two engine modes differ only in where the text comes from, and each has its own input:
 
@@ -151,6 +153,7 @@ class ResponseBuilder:
         meta = dict(self.meta)
         if self.req.return_logprob:
             meta.update({k: list(v) for k, v in self.logprobs.items()})
+            meta["output_token_logprobs_length"] = len(self.logprobs["output_token_logprobs"])
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
     def chunk(self) -> dict[str, Any]:
@@ -160,6 +163,7 @@ class ResponseBuilder:
             for k, v in self.logprobs.items():
                 meta[k] = v[self._sent[k]:]
                 self._sent[k] = len(v)
+            meta["output_token_logprobs_length"] = len(self.logprobs["output_token_logprobs"])
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 

@@ -2,9 +2,12 @@
 
 `/generate` answers one object for one prompt and a list for a batch or `n > 1`; with `stream`
 it sends SSE events whose `text` / `output_ids` are cumulative, each with `index` when there
-are several sequences, then `data: [DONE]`. Control routes: model and server info, health
-(with a one-token generation for `/health_generate`), prefix-cache flush, abort, tokenizer
-round trip and Prometheus metrics. Errors are `{"error": {"message": ...}}` (see `app.py`).
+are several sequences, then `data: [DONE]`. Logprobs stream as SGLang streams them: each
+event's output lists hold its new entries (`output_token_logprobs_length` counts them all so
+far) and its input lists are complete (`_InputLogprobs`). Control routes: model and server
+info, health (with a one-token generation for `/health_generate`), prefix-cache flush, abort,
+tokenizer round trip and Prometheus metrics. Errors are `{"error": {"message": ...}}` (see
+`app.py`).
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ def _several(body: GenerateReqInput, req: GenerateRequest) -> bool:
 
 
 async def _native_stream(stream: AsyncIterator[Event], several: bool) -> AsyncIterator[bytes]:
+    inputs = _InputLogprobs()
     try:
         async with aclosing(stream):
             async for index, event in stream:
+                event = inputs.complete(index, event)
                 yield sse.event({**event, "index": index} if several else event)
     except InvalidRequestError as e:
         yield sse.error_event(e.message, 400)
@@ -74,6 +79,32 @@ async def _native_stream(stream: AsyncIterator[Event], several: bool) -> AsyncIt
         logger.exception("generation failed mid-stream")
         yield sse.error_event(f"generation failed: {e}", 500)
     yield sse.DONE
+
+
+class _InputLogprobs:
+    """Each streamed sequence's prompt logprobs so far, so that every event carries them all.
+
+    The engine sends a prompt's entries once, in the events of its prefill; SGLang's streams
+    repeat them in every event (only the output lists are per-event), and its frontend keeps
+    just the latest event's `meta_info`, so ArborLM's native stream does the same.
+    """
+
+    KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, list]] = {}
+
+    def complete(self, index: int, event: dict[str, Any]) -> dict[str, Any]:
+        meta = event.get("meta_info")
+        if not meta or not any(k in meta for k in self.KEYS):
+            return event
+        seen = self.seen.setdefault(index, {})
+        meta = dict(meta)
+        for key in self.KEYS:
+            if key in meta:
+                seen.setdefault(key, []).extend(meta[key] or [])
+                meta[key] = seen[key]
+        return {**event, "meta_info": meta}
 
 
 @router.get("/get_model_info")
