@@ -27,8 +27,8 @@ The programs of sglang 0.5.23 and what they need:
 
 On the default model, SmolLM2-135M-Instruct (run by hand, both ways, same outcomes):
 `test_decode_json` and `test_decode_json_regex` pass; the others of the second group get the
-same wrong answers both ways ("New York", "Answer: False", "366..." days), beyond a 135M model
-(SGLang's CI runs them on Llama-3.1-8B-Instruct).
+same kind of wrong answers both ways ("New York", "Answer: False", days in a year as digits
+that run on: "36524000..."), beyond a 135M model (SGLang's CI runs them on Llama-3.1-8B-Instruct).
 """
 
 from __future__ import annotations
