@@ -1,6 +1,12 @@
-"""Constrained decoding in the engine: JSON-schema batches against the same batch unconstrained.
+"""Constrained decoding in the engine: JSON-schema coverage, and batches against the same batch
+unconstrained.
 
-On the default model (32,000-token vocabulary, random weights), in one run and one engine:
+On the default model (SmolLM2-135M-Instruct, the real one), in one run:
+
+0. coverage of JSONSchemaBench's dev sample (`--coverage-schemas`, all 500 by default; 0 skips
+   it): schemas accepted, outputs finished, finished outputs valid, for xgrammar alone,
+   outlines-core alone and ArborLM (rewrites + semantic guard, strict), and the guard's overhead
+   on the schemas that need none (`schema_coverage.py` says how). The rest runs in one engine:
 
 1. decode throughput of a batch of `--batch` greedy requests under one JSON schema, per grammar
    backend, with jump-forward on and (for the default backend) off, against the same prompts
@@ -26,9 +32,12 @@ On the default model (32,000-token vocabulary, random weights), in one run and o
    (`JUMP_EXTEND_PER_REQUEST`), so fewer steps are saved there than for requests run one at a
    time, which the last table shows (decode steps and latency per request, on and off).
 
-Target: constrained throughput >= 90% of unconstrained at batch 16.
+Targets: >= 98% of the 500 schemas accepted by ArborLM in strict mode, every finished output
+valid; constrained throughput >= 90% of unconstrained at batch 16; the guard's overhead on
+schemas that need none <= 10%.
 
     python benchmarks/constrained.py
+    python benchmarks/constrained.py --coverage-schemas 0   # the throughput sections only
     python benchmarks/constrained.py --repeats 5 --compile-schemas 40
 """
 
@@ -249,6 +258,47 @@ def compile_rows(engine, args, backends: list[str]) -> list[tuple]:
     return rows
 
 
+def coverage(args) -> None:
+    from schema_coverage import HEADER, engine_alone, load_all, overhead_rows, run_side
+
+    from arborlm.runtime.engine import Engine
+
+    rows = load_all(args.coverage_schemas)
+
+    def make_engine():
+        return Engine(args.model_path)
+
+    results = []
+    for side, backend, alone in (("xgrammar alone", "xgrammar", True),
+                                 ("outlines-core alone", "outlines", True),
+                                 ("ArborLM", "xgrammar", False)):
+        engine = make_engine()
+        try:
+            if alone:
+                with engine_alone():
+                    results.append(run_side(engine, side, backend, rows,
+                                            args.coverage_max_new_tokens))
+            else:
+                results.append(run_side(engine, side, backend, rows,
+                                        args.coverage_max_new_tokens))
+        finally:
+            engine.shutdown()
+        print(f"{side}: done in {results[-1].seconds:.0f} s", flush=True)
+    skipped = results[-1].too_long
+    print(f"\ncoverage: {len(rows)} JSONSchemaBench dev schemas, greedy, at most "
+          f"{args.coverage_max_new_tokens} new tokens ({skipped} prompts too long for the context "
+          f"are not counted), load average {os.getloadavg()[0]:.1f}")
+    print(table([c.row() for c in results], HEADER))
+    for c in results:
+        for sid, why, text in c.invalid:
+            print(f"  invalid ({c.side}) {sid}: {why}\n    {text!r}")
+    overhead, ratio = overhead_rows(make_engine, rows, args.overhead_schemas, 128, args.repeats)
+    print(f"\nguard overhead: schemas that need no guard, {args.repeats} alternating runs, at "
+          f"most 128 new tokens (median output tok/s)")
+    print(table(overhead, ("side", "schemas", "output tok/s")))
+    print(f"ArborLM / xgrammar alone: {ratio:.3f} (target >= 0.90)\n", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None, help="default: the built-in default model")
@@ -263,7 +313,13 @@ def main() -> None:
                     help="JSONSchemaBench schemas for the compile-time figures")
     ap.add_argument("--compile-timeout", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--coverage-schemas", type=int, default=500,
+                    help="JSONSchemaBench schemas for the coverage table (0: skip it)")
+    ap.add_argument("--coverage-max-new-tokens", type=int, default=512)
+    ap.add_argument("--overhead-schemas", type=int, default=48)
     args = ap.parse_args()
+    if args.coverage_schemas:
+        coverage(args)
 
     from arborlm.constrained import create_grammar_backend
     from arborlm.runtime.engine import Engine
