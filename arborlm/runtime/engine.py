@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime import schema_report
 from arborlm.runtime.config import EngineArgs, EngineMode, check_choice
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest
@@ -64,7 +65,7 @@ class Engine:
         return_text_in_logprobs, rid, extra_key, priority (as in the native API).
         """
         req = self._request(prompt, sampling_params, input_ids, False, kwargs)
-        return self._shape(req, self.client.generate_sync(req))
+        return self._shape(req, self._reported(req, self.client.generate_sync(req)))
 
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: dict | list[dict] | None = None,
@@ -75,11 +76,16 @@ class Engine:
         req = self._request(prompt, sampling_params, input_ids, stream, kwargs)
         if stream:
             return self._stream(req)
-        return self._shape(req, await self.client.generate_all(req))
+        return self._shape(req, self._reported(req, await self.client.generate_all(req)))
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        async for index, event in self.client.generate(req):
+        events = schema_report.attach(self.client.generate(req), req, self.args.grammar_backend)
+        async for index, event in events:
             yield {**event, "index": index}
+
+    def _reported(self, req: GenerateRequest, results: list[dict]) -> list[dict]:
+        """`results` with the report of each non-strict JSON schema (`schema_report`)."""
+        return schema_report.annotate_results(results, req, self.args.grammar_backend)
 
     def _request(self, prompt: Any, sampling_params: Any, input_ids: Any, stream: bool,
                  kwargs: dict[str, Any]) -> GenerateRequest:

@@ -25,8 +25,9 @@ from starlette.responses import Response
 
 import arborlm
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime import schema_report
 from arborlm.runtime.generate_request import GenerateRequest
-from arborlm.server import schema_report, sse
+from arborlm.server import sse
 from arborlm.server.errors import ApiError
 from arborlm.server.generation import Event, collect_finals, race_disconnect, started
 from arborlm.server.jsonresp import JSONResponse

@@ -32,9 +32,10 @@ from starlette.responses import Response
 
 from arborlm.constrained.base import ANY_WHITESPACE_MAX_RUN
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime import schema_report
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.server import openai_format as fmt
-from arborlm.server import schema_report, sse
+from arborlm.server import sse
 from arborlm.server.errors import ApiError, error_body
 from arborlm.server.generation import Event, collect_finals, race_disconnect, started
 from arborlm.server.jsonresp import JSONResponse

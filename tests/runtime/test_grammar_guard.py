@@ -328,3 +328,26 @@ def test_strict_refuses_and_non_strict_accepts(engine):
                                        "json_schema_strict": False})
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
     assert set(json.loads(out["text"])) == {"link"}
+
+
+def test_engine_reports_what_a_non_strict_schema_leaves_unenforced(engine):
+    """`Engine` results carry the non-strict report too (`schema_report`), finished results and
+    the last streamed chunk alike; strict requests carry none."""
+    import asyncio
+
+    params = {**GREEDY, "json_schema": json.dumps(IRI), "json_schema_strict": False}
+    out = engine.generate(PROMPTS[0], params)
+    meta = out["meta_info"]
+    assert meta["json_schema_unenforced"] == ["#/properties/link/format (format 'iri' not "
+                                              "checked)"], meta
+    assert meta["json_schema_valid"] is True  # finished: an object with a short string link
+
+    async def last_chunk() -> dict:
+        chunks = [c async for c in await engine.async_generate(PROMPTS[0], params, stream=True)]
+        return chunks[-1]
+
+    last = asyncio.run(last_chunk())
+    assert last["meta_info"]["json_schema_valid"] is True
+    assert last["meta_info"]["json_schema_unenforced"] == meta["json_schema_unenforced"]
+    strict = engine.generate(PROMPTS[0], {**GREEDY, "json_schema": json.dumps({"type": "object"})})
+    assert "json_schema_unenforced" not in strict["meta_info"]

@@ -13,9 +13,9 @@ import json
 import pytest
 
 from arborlm.errors import InvalidRequestError
+from arborlm.runtime import schema_report
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.runtime.sampling_params import SamplingParams
-from arborlm.server import schema_report
 from arborlm.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from arborlm.server.protocol import GenerateReqInput
 

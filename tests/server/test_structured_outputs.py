@@ -273,7 +273,7 @@ def test_strict_refusal_is_a_400_naming_the_pointer(client, strict):
 
 
 def _check_report(fields: dict, text: str) -> None:
-    from arborlm.server.schema_report import output_valid
+    from arborlm.runtime.schema_report import output_valid
 
     assert [u.split(" ")[0] for u in fields["json_schema_unenforced"]] == [
         "#/properties/link/format"], fields

@@ -2,7 +2,8 @@
 
 A request whose `json_schema` is sent with `json_schema_strict: false` (OpenAI: `response_format.
 json_schema.strict: false`) is accepted even where the engine cannot guarantee every keyword.
-The HTTP routes then report, per sequence, in its `meta_info` (the OpenAI routes on each choice):
+`Engine` and the HTTP routes then report, per sequence, in its `meta_info` (the OpenAI routes on
+each choice):
 
 - `json_schema_unenforced`: the list of what is not enforced, each a JSON pointer into the schema
   with the keyword and why (`"#/properties/tags/uniqueItems (not enforced)"`); empty when all is;
@@ -10,8 +11,9 @@ The HTTP routes then report, per sequence, in its `meta_info` (the OpenAI routes
   validates against the ORIGINAL schema (`jsonschema`, the schema's own draft, formats checked);
   null when the schema itself cannot be used to validate (a remote `$ref`, ...).
 
-`attach(events, req, default_backend)` wraps a route's engine events so that each such
-sequence's events carry the fields (`choice_fields` picks them for an OpenAI choice). Strict
+`attach(events, req, default_backend)` wraps a stream of engine events so that each such
+sequence's events carry the fields, `annotate_results` does it for finished results
+(`choice_fields` picks them for an OpenAI choice). Strict
 requests get neither: their outputs are valid by construction, and what cannot be guaranteed
 was refused with a 400. This module does not compile or generate anything.
 """
@@ -85,6 +87,20 @@ def reports(req: GenerateRequest, default_backend: str) -> dict[int, SchemaRepor
         if made[key] is not None:
             out[index] = made[key]
     return out
+
+
+def annotate_results(results: list[dict[str, Any]], req: GenerateRequest,
+                     default_backend: str) -> list[dict[str, Any]]:
+    """Each finished result of `req` (by sequence index) annotated for its non-strict schema, in
+    place; returns `results`."""
+    params = req.sampling_params
+    rows = params if isinstance(params, list) else [params]
+    if not any(isinstance(p, dict) and p.get("json_schema_strict") is False for p in rows):
+        return results
+    for index, report in reports(req, default_backend).items():
+        if index < len(results):
+            report.annotate(results[index]["meta_info"], results[index]["text"])
+    return results
 
 
 async def annotated(events: AsyncIterator[tuple[int, dict[str, Any]]],
