@@ -24,11 +24,18 @@ from arborlm.errors import InvalidRequestError
 BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench-dev.jsonl"
 NUM_SCHEMAS = 50
 MAX_NEW_TOKENS = 512
-# benchmarks/real_model_json.py --reference: of the schemas ArborLM accepts, how many
+# benchmarks/real_model_json.py --reference: of the schemas ArborLM accepted then, how many
 # transformers + xgrammar's logits processor finished within MAX_NEW_TOKENS.
 # Measured 2026-12-02 (transformers 5.24, xgrammar's contrib.hf.LogitsProcessor, batch 1): 25 of
-# the 42 accepted finished, all 25 valid.
+# the 42 schemas below finished, all 25 valid. ArborLM has accepted more schemas since (rewrites
+# and the semantic guard); the comparison stays on these 42, the ones the reference ran.
 REFERENCE_FINISHED: tuple[int, int] | None = (25, 42)
+REFERENCE_IDS = frozenset({
+    "o21848", "o43309", "o60856", "o6188", "o71408", "o21103", "o91003", "o35779", "o9350",
+    "o68285", "o69073", "o64823", "o5202", "o84043", "o65929", "o63999", "o90185", "o79712",
+    "o83721", "o83392", "o60122", "o81723", "o66195", "o54549", "o37715", "o17687", "o21474",
+    "o42170", "o88585", "o20487", "o55086", "o10468", "o91396", "o74422", "o43248", "o33707",
+    "o48513", "o39367", "o44458", "o9955", "o45174", "o85927"})
 
 
 def schema_prompt(tokenizer: Any, schema: dict) -> list[int]:
@@ -66,15 +73,16 @@ def test_finished_outputs_validate_and_finish_as_often_as_transformers(smollm2_e
     tokenizer = smollm2_engine.tokenizer
     prompts = [schema_prompt(tokenizer, schema) for _, schema in schemas]
     results = asyncio.run(_run_all(smollm2_engine, prompts, [s for _, s in schemas]))
-    accepted = finished = 0
+    accepted = finished = reference_accepted = 0
     invalid = []
     for (sid, schema), out in zip(schemas, results):
         if isinstance(out, InvalidRequestError):
             continue
         accepted += 1
+        reference_accepted += sid in REFERENCE_IDS
         if out["meta_info"]["finish_reason"]["type"] != "stop":
             continue
-        finished += 1
+        finished += sid in REFERENCE_IDS
         try:
             value = json.loads(out["text"])
             jsonschema.validators.validator_for(schema)(schema).validate(value)
@@ -82,6 +90,6 @@ def test_finished_outputs_validate_and_finish_as_often_as_transformers(smollm2_e
             invalid.append((sid, out["text"][:200], str(e)[:200]))
     assert not invalid, invalid
     assert accepted >= 0.7 * len(schemas), accepted
-    assert REFERENCE_FINISHED is not None and REFERENCE_FINISHED[1] == accepted, (
+    assert REFERENCE_FINISHED is not None and REFERENCE_FINISHED[1] == reference_accepted, (
         "re-measure the reference with benchmarks/real_model_json.py --reference", accepted)
     assert finished >= REFERENCE_FINISHED[0], (finished, REFERENCE_FINISHED)
