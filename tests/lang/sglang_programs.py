@@ -1,11 +1,13 @@
 """Runs SGLang's own frontend test programs (`sglang/test/test_programs.py`) against ArborLM.
 
-    python -m tests.lang.sglang_programs {sglang|arborlm} URL '[["test_select", {...}], ...]'
+    python -m tests.lang.sglang_programs MODE TARGET '[["test_select", {...}], ...]'
 
-(the programs to run, each with its keyword arguments). `sglang`: SGLang's frontend,
-unchanged, through its own `RuntimeEndpoint(URL)` (an ArborLM server). `arborlm`: the same
-functions with `sglang` meaning `arborlm` (the module's `sgl`, and `import sglang as sgl`
-inside a function, give `arborlm`), through ArborLM's `RuntimeEndpoint`. Each program runs on
+(the programs to run, each with its keyword arguments). MODE `sglang`: SGLang's frontend,
+unchanged, through its own `RuntimeEndpoint(TARGET)` (an ArborLM server's URL). `arborlm`: the
+same functions with `sglang` meaning `arborlm` (the module's `sgl`, and `import sglang as sgl`
+inside a function, give `arborlm`), through ArborLM's `RuntimeEndpoint(TARGET)`;
+`arborlm-engine`: the same on an in-process `EngineBackend` of the model at TARGET (float32).
+Each program runs on
 its own thread with a time limit; one JSON line per program goes to stdout:
 `{"name": ..., "outcome": "passed" | "failed", "detail": <traceback tail>}`.
 
@@ -57,20 +59,23 @@ def _tokenizer_helper() -> types.ModuleType:
     return module
 
 
-def prepare(mode: str, url: str) -> tuple[Any, Any, dict[str, Any]]:
+def prepare(mode: str, target: str) -> tuple[Any, Any, dict[str, Any]]:
     """(the test_programs module, the backend, per-program default backends)."""
     import sglang
     from sglang.test import test_programs
 
     sys.modules["sglang.srt.utils.hf_transformers_utils"] = _tokenizer_helper()
     if mode == "sglang":
-        backend = sglang.RuntimeEndpoint(url)
+        backend = sglang.RuntimeEndpoint(target)
         sglang.global_config.enable_parallel_encoding = False
         sgl: Any = sglang
     else:
         import arborlm
 
-        backend = arborlm.RuntimeEndpoint(url)
+        if mode == "arborlm-engine":
+            backend = arborlm.EngineBackend(model_path=target, dtype="float32")
+        else:
+            backend = arborlm.RuntimeEndpoint(target)
         test_programs.sgl = arborlm
         sys.modules["sglang"] = arborlm  # `import sglang as sgl` inside a function
         sgl = arborlm
@@ -102,13 +107,15 @@ def run_one(module: Any, sgl: Any, name: str, kwargs: dict[str, Any],
 
 
 def main(argv: list[str]) -> None:
-    mode, url, programs = argv[0], argv[1], json.loads(argv[2])
-    module, sgl, special = prepare(mode, url)
+    mode, target, programs = argv[0], argv[1], json.loads(argv[2])
+    module, sgl, special = prepare(mode, target)
     backend = sgl.global_config.default_backend
     for name, kwargs in programs:
         attempts = RACY_ATTEMPTS if (mode, name) in RACY else 1
         result = run_one(module, sgl, name, kwargs, special.get(name, backend), attempts)
         print(json.dumps(result), flush=True)
+    if hasattr(backend, "shutdown"):  # ArborLM's backends; SGLang's RuntimeEndpoint has none
+        backend.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """SGLang 0.5's own frontend test programs (`sglang/test/test_programs.py`) pass against ArborLM
 both ways: through SGLang's `RuntimeEndpoint` against an ArborLM server (SGLang's frontend,
-unchanged), and with `import arborlm as sgl` (ArborLM's frontend, same programs).
+unchanged), and with `import arborlm as sgl` (ArborLM's frontend, same programs: against the
+same server, and on an in-process engine).
 
 SGLang itself is installed for these tests with `pip install --no-deps sglang==0.5.23` into the
 cache (`$ARBORLM_CACHE_DIR/sglang/0.5.23`; the tests skip when that fails, e.g. offline); the
@@ -84,11 +85,11 @@ def sglang_path() -> Path:
         pytest.skip(f"cannot install sglang=={SGLANG_VERSION} (pip install --no-deps): {e}")
 
 
-def run_programs(sglang_path: Path, mode: str, url: str) -> dict[str, dict[str, Any]]:
+def run_programs(sglang_path: Path, mode: str, target: str) -> dict[str, dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO_ROOT), str(sglang_path), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.lang.sglang_programs", mode, url,
+        [sys.executable, "-m", "tests.lang.sglang_programs", mode, target,
          json.dumps(list(PROGRAMS.items()))],
         capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=RUN_TIMEOUT_S)
     results = {}
@@ -101,9 +102,14 @@ def run_programs(sglang_path: Path, mode: str, url: str) -> dict[str, dict[str, 
     return results
 
 
+MODES = ("sglang", "arborlm", "arborlm-engine")
+
+
 @pytest.fixture(scope="module")
-def outcomes(sglang_path: Path, server: Any) -> dict[str, dict[str, dict[str, Any]]]:
-    return {mode: run_programs(sglang_path, mode, server.url) for mode in ("sglang", "arborlm")}
+def outcomes(sglang_path: Path, server: Any,
+             tiny_path: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    targets = {"sglang": server.url, "arborlm": server.url, "arborlm-engine": str(tiny_path)}
+    return {mode: run_programs(sglang_path, mode, targets[mode]) for mode in MODES}
 
 
 def test_the_lists_cover_every_program_of_the_sglang_release(sglang_path):
@@ -113,7 +119,7 @@ def test_the_lists_cover_every_program_of_the_sglang_release(sglang_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sglang", "arborlm"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_sglang_program(outcomes, mode, name):
     result = outcomes[mode].get(name)
