@@ -29,7 +29,7 @@ from typing import Any
 
 from arborlm.constrained.json_tracker import Close, Grow, JsonTracker, pointer
 from arborlm.constrained.schema_check import Problem
-from arborlm.constrained.schema_oneof import lookup_ref
+from arborlm.constrained.schema_oneof import canonical_text, lookup_ref
 from arborlm.constrained.schema_walk import iter_schema_nodes, subschemas
 
 _MAX_DEPTH = 16
@@ -260,25 +260,12 @@ def _duplicate(text: bytearray, array: list[Any], item: Close) -> str | None:
         items = json.loads(bytes(text[array[1]:item.end]) + b"]")
     except ValueError:
         return None
-    last = _canonical(items[-1])
-    if any(_canonical(other) == last for other in items[:-1]):
+    last = canonical_text(items[-1])
+    if any(canonical_text(other) == last for other in items[:-1]):
         return (f"value at {pointer(array[2]) or '/'} violates uniqueItems (schema "
                 f"{array[3].unique})")
     return None
 
-
-def _canonical(value: Any) -> str:
-    """Equal texts exactly for values JSON Schema calls equal (1 == 1.0; true != 1)."""
-    def norm(v: Any) -> Any:
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        if isinstance(v, list):
-            return [norm(x) for x in v]
-        if isinstance(v, dict):
-            return {k: norm(x) for k, x in v.items()}
-        return v
-
-    return json.dumps(norm(value), sort_keys=True)
 
 
 def _escape(name: str) -> str:

@@ -125,14 +125,19 @@ def _values(schema: dict[str, Any]) -> set[str] | None:
     """Canonical texts of the only values `schema` allows, or None if not an enum/const."""
     if "const" not in schema and not isinstance(schema.get("enum"), list):
         return None
-    return {json.dumps(_canonical(v), sort_keys=True) for v in _raw_values(schema)}
+    return {canonical_text(v) for v in _raw_values(schema)}
 
 
-def _canonical(value: Any) -> Any:
+def canonical_text(value: Any) -> str:
+    """Equal texts exactly for values JSON Schema calls equal (1 == 1.0; true != 1)."""
+    return json.dumps(_normalized(value), sort_keys=True)
+
+
+def _normalized(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, list):
-        return [_canonical(v) for v in value]
+        return [_normalized(v) for v in value]
     if isinstance(value, dict):
-        return {k: _canonical(v) for k, v in value.items()}
+        return {k: _normalized(v) for k, v in value.items()}
     return value

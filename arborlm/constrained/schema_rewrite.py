@@ -35,10 +35,10 @@ what is supported; `schema_check` does, before it.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
+from arborlm.constrained.schema_oneof import canonical_text
 from arborlm.constrained.schema_walk import CONSTRAINTS, iter_schema_nodes
 
 _DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
@@ -205,17 +205,8 @@ def _bound_unique_items(node: dict[str, Any]) -> None:
         values = [True, False]
     else:
         return
-    distinct = {json.dumps(_canonical(v), sort_keys=True) for v in values}
+    distinct = {canonical_text(v) for v in values}
     bound = node.get("maxItems")
     if not isinstance(bound, int) or len(distinct) < bound:
         node["maxItems"] = len(distinct)
 
-
-def _canonical(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_canonical(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _canonical(v) for k, v in value.items()}
-    return value
