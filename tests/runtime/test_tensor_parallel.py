@@ -48,6 +48,7 @@ def _assert_same(ref: list[dict], got: list[dict]) -> None:
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", {}),  # 4 heads, 2 KV heads: one KV head per rank
     ("llama", {"num_kv_heads": 1}),  # one KV head, replicated on both ranks
+    ("llama", {"vocab_size": 515, "tie_word_embeddings": True}),  # rank 1's rows padded; tied
     ("qwen2", {}),  # q/k/v biases (column-parallel), no o bias
     ("qwen3", {}),  # q/k RMSNorm per head
 ])
