@@ -107,6 +107,8 @@ class ModelRunner:
             deterministic=self.deterministic, tp_size=1 if tp is None else tp.size)
         self.decode: DecodeExecutor = choose_decode_executor(self.decode_parts)
         logger.info("decode executor: %s", type(self.decode).__name__)
+        if tp is not None:
+            tp.set_op_timeout(args.dist_timeout)  # started: from now on a stall is a failure
 
     def _deterministic_holds(self) -> bool:
         """Whether this engine runs deterministic inference: wanted (`EngineConfig`), and the

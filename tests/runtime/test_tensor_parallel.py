@@ -73,6 +73,24 @@ def test_tp2_across_two_nodes_on_loopback(make_tiny_model):
     _assert_same(_generate(path), got)
 
 
+def test_idle_longer_than_the_timeout_keeps_the_ranks(make_tiny_model):
+    """While rank 0 idles it sends keep-alives, so the other ranks' wait for the next batch
+    (bounded by dist_timeout) never runs out: after idling several timeouts long the engine
+    serves the same tokens."""
+    engine = Engine(str(make_tiny_model("llama")), dtype="float32", max_total_tokens=4096,
+                    tp_size=2, dist_timeout=4.0)
+    try:
+        want = engine.generate(PROMPTS[0], GREEDY)["output_ids"]
+        leader = engine.client.scheduler.runner.leader
+        deadline = time.monotonic() + HANG_S
+        while leader.keep_alives < 6:  # idle >= 6 s: one keep-alive a second at most
+            assert time.monotonic() < deadline, "no keep-alives"
+            time.sleep(0.1)
+        assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == want
+    finally:
+        engine.shutdown()
+
+
 def test_killed_rank_ends_the_engine_with_its_name(make_tiny_model):
     engine = Engine(str(make_tiny_model("llama")), dtype="float32", max_total_tokens=4096,
                     tp_size=2)

@@ -4,8 +4,9 @@ Built on torch.distributed's own backends — gloo on a CPU, NCCL on CUDA device
 `TCPStore` rendezvous at `host:port` (rank 0 listens there). The group is a standalone
 `ProcessGroup` object, not torch.distributed's process-global default group, so an engine can
 be started, stopped and started again (or two engines live) in one process. Every collective
-waits at most the group's timeout; a peer that dies closes its connections, which fails the
-collectives of the others at once.
+waits at most `op_timeout`: the join timeout while the ranks start (importing torch, loading
+weights at their own pace), then the engine's `dist_timeout` once they run (`set_op_timeout`).
+A peer that dies closes its connections, which fails the collectives of the others at once.
 
 Not here: what is sent (`broadcast.py`), which weights a rank holds (`shard.py`), or starting
 the ranks' processes (`launch.py`).
@@ -20,35 +21,45 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # (torch.distributed does not export it)
 
 
 class TPGroup:
     """Rank `rank` of `size` tensor-parallel ranks; the collectives the sharded model needs."""
 
-    def __init__(self, rank: int, size: int, pg: Any, device: str, store: Any):
+    def __init__(self, rank: int, size: int, pg: Any, device: str, store: Any,
+                 op_timeout: timedelta):
         assert 0 <= rank < size, (rank, size)
         self.rank, self.size = rank, size
         self.device = device
         self._pg = pg
         self._store = store  # the rendezvous store; rank 0's must outlive the group
+        self.op_timeout = op_timeout
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns `x`."""
-        self._pg.allreduce([x]).wait()
+    def set_op_timeout(self, seconds: float) -> None:
+        """From now on a collective fails after waiting `seconds` for the other ranks."""
+        self.op_timeout = timedelta(seconds=seconds)
+
+    def all_reduce(self, x: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or `op`) `x` over the ranks, in place; returns `x`."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = op, self.op_timeout
+        self._pg.allreduce([x], opts).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` `[..., n]`, concatenated in rank order: `[..., size * n]`."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._pg.allgather([parts], [x]).wait()
+        opts = AllgatherOptions()
+        opts.timeout = self.op_timeout
+        self._pg.allgather([parts], [x], opts).wait()
         return torch.cat(parts, dim=-1)
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' `value`s."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._pg.allreduce([t], _min_options()).wait()
-        return int(t.item())
+        return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` (pickled), on every rank; other ranks pass nothing."""
@@ -58,25 +69,17 @@ class TPGroup:
         else:
             size = torch.zeros(1, dtype=torch.int64)
         size = size.to(self.device)
-        self._pg.broadcast([size], _root()).wait()
+        self._pg.broadcast([size], self._from_rank0()).wait()
         if self.rank != 0:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         data = data.to(self.device)
-        self._pg.broadcast([data], _root()).wait()
+        self._pg.broadcast([data], self._from_rank0()).wait()
         return obj if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
 
-
-def _min_options() -> Any:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    return opts
-
-
-def _root() -> Any:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    return opts
+    def _from_rank0(self) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.op_timeout
+        return opts
 
 
 def split_address(addr: str) -> tuple[str, int]:
@@ -97,8 +100,8 @@ def free_loopback_address() -> str:
 def connect(addr: str, rank: int, size: int, device: str, timeout_s: float) -> TPGroup:
     """Join the `size` ranks that meet at `addr` (rank 0 listens there) as `rank`.
 
-    Waits up to `timeout_s` for the others; every later collective waits that long at most.
-    CUDA ranks use NCCL (each on the device `device` names), CPU ranks gloo.
+    Waits up to `timeout_s` for the others, and so does every collective until
+    `set_op_timeout`. CUDA ranks use NCCL (each on the device `device` names), CPU ranks gloo.
     """
     host, port = split_address(addr)
     timeout = timedelta(seconds=timeout_s)
@@ -112,6 +115,6 @@ def connect(addr: str, rank: int, size: int, device: str, timeout_s: float) -> T
         pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
     else:
         pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
-    group = TPGroup(rank, size, pg, device, store)
+    group = TPGroup(rank, size, pg, device, store, timeout)
     group.min_int(0)  # a first collective: every rank has joined
     return group

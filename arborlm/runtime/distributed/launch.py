@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "arborlm.runtime.distributed.worker"
 KEEP_ALIVE_S = 5.0  # an idle rank 0 tells the others it lives at most this often
+JOIN_TIMEOUT_S = 600.0  # the ranks' start (joining, loading weights) may take this long
 JOIN_POLL_S = 0.2
 STOP_WAIT_S = 10.0
 
@@ -62,7 +63,8 @@ def start_worker(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
     threads = threads_per_rank(args)
     cmd = [sys.executable, "-m", WORKER_MODULE, "--rank", str(rank),
            "--tp-size", str(args.tp_size), "--dist-init-addr", addr,
-           "--device", rank_device(args.device, local), "--timeout", str(args.dist_timeout),
+           "--device", rank_device(args.device, local),
+           "--timeout", str(max(JOIN_TIMEOUT_S, args.dist_timeout)),
            "--threads", str(threads), "--parent-pid", str(os.getpid())]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
@@ -78,6 +80,8 @@ class TPLeader:
         self.workers = {rank: start_worker(args, rank, addr)
                         for rank in local_ranks(args, 0) if rank != 0}
         self._last_sent = time.monotonic()
+        self._keep_alive_s = min(KEEP_ALIVE_S, args.dist_timeout / 4)
+        self.keep_alives = 0  # sent so far
         try:
             self.group = self._join(addr, args)
             self.group.broadcast_object(config)
@@ -94,7 +98,7 @@ class TPLeader:
         def run() -> None:
             try:
                 result["group"] = connect(addr, 0, args.tp_size, rank_device(args.device, 0),
-                                          args.dist_timeout)
+                                          max(JOIN_TIMEOUT_S, args.dist_timeout))
             except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
                 result["error"] = e
 
@@ -132,9 +136,11 @@ class TPLeader:
         self._send(forward_command(batch))
 
     def keep_alive(self) -> None:
-        """While rank 0 idles: a KEEP_ALIVE every `KEEP_ALIVE_S`, well inside the timeout."""
-        if time.monotonic() - self._last_sent >= KEEP_ALIVE_S:
+        """While rank 0 idles: a KEEP_ALIVE every `KEEP_ALIVE_S` (a quarter of `dist_timeout`
+        when that is shorter), so that the others' wait for the next batch never times out."""
+        if time.monotonic() - self._last_sent >= self._keep_alive_s:
             self._send(RankCommand(CommandKind.KEEP_ALIVE))
+            self.keep_alives += 1
 
     def _send(self, cmd: RankCommand) -> None:
         dead = self._dead_worker()

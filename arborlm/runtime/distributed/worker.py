@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-size", type=int, required=True)
     p.add_argument("--dist-init-addr", required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for the others to join (then rank 0's dist_timeout)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--parent-pid", type=int, default=None)
     a = p.parse_args(argv)
