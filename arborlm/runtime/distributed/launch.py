@@ -128,7 +128,8 @@ class TPLeader:
         deadline = time.monotonic() + 2.0
         while (dead := self._dead_worker()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        what = dead or "a tensor-parallel rank stopped answering"
+        what = dead or "a tensor-parallel step failed (a rank stopped answering, or a rank on "\
+            "another node is gone)"
         return EngineDeadError(f"{what}: {type(exc).__name__}: {exc}")
 
     def send(self, batch: ForwardBatch) -> None:
