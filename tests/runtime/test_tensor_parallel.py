@@ -57,6 +57,16 @@ def test_tp2_greedy_equals_tp1(make_tiny_model, arch, overrides):
     _assert_same(_generate(path), _generate(path, tp_size=2))
 
 
+def test_tp2_with_chunks_pages_and_shared_prefixes(make_tiny_model):
+    """Chunked prefill, pages of 4 and prompts sharing a long prefix (cache hits, in-batch
+    prefix dedup): the rows of `req_to_token` rank 0 writes reach the other rank every step."""
+    system = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    prompts = [system + p for p in PROMPTS]
+    options = {"chunked_prefill_size": 16, "page_size": 4, "max_running_requests": 4}
+    _assert_same(_generate(make_tiny_model("llama"), prompts, **options),
+                 _generate(make_tiny_model("llama"), prompts, tp_size=2, **options))
+
+
 def test_tp2_across_two_nodes_on_loopback(make_tiny_model):
     """Node 1 runs only its rank (`arborlm serve --node-rank 1`) and takes the model and options
     from node 0; it exits 0 when node 0's engine shuts down."""
