@@ -48,6 +48,11 @@ class ModelRunner:
             from arborlm.runtime.distributed.launch import TPLeader, threads_per_rank
 
             TPShard.of(mc, 0, args.tp_size)  # the model splits so (else ModelLoadError)
+            if args.node_rank != 0:
+                raise InvalidRequestError(
+                    f"node_rank {args.node_rank} runs only its tensor-parallel ranks, not an "
+                    f"engine: start it with `arborlm serve --node-rank {args.node_rank}`",
+                    "node_rank")
             startup.phase("starting tensor-parallel ranks")
             torch.set_num_threads(threads_per_rank(args))
             self.leader = TPLeader(config)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from arborlm import Engine
-from arborlm.errors import ModelLoadError
+from arborlm.errors import InvalidRequestError, ModelLoadError
 from arborlm.runtime.config import ModelConfig
 from arborlm.runtime.distributed.group import free_loopback_address
 from arborlm.runtime.distributed.shard import TPShard
@@ -124,6 +124,12 @@ def test_killed_rank_ends_the_engine_with_its_name(make_tiny_model):
 def test_model_that_does_not_split_is_refused_before_any_rank_starts(make_tiny_model):
     with pytest.raises(ModelLoadError, match="tp_size 3 does not divide 4 attention heads"):
         Engine(str(make_tiny_model("llama")), dtype="float32", tp_size=3)
+
+
+def test_an_engine_on_a_node_other_than_0_is_refused(make_tiny_model):
+    with pytest.raises(InvalidRequestError, match="arborlm serve --node-rank 1"):
+        Engine(str(make_tiny_model("llama")), dtype="float32", tp_size=2, nnodes=2,
+               node_rank=1, dist_init_addr="127.0.0.1:1")
 
 
 def test_shard_ranges_and_vocabulary_padding(make_tiny_model):
