@@ -19,6 +19,10 @@
    greedy outputs with graphs on vs off on the tiny Llama (float32 identical; bfloat16 judged
    like section 3, with graphs off as the half-precision baseline); and decode tokens/s with
    graphs off vs on on the timing model at batch 1 and 16.
+6. Tensor parallelism over NCCL, on a machine with at least 2 GPUs (else reported as skipped):
+   `--tp-size 2` greedy outputs against one GPU's on the tiny Llama (float32, token for token;
+   triton backend, graphs off, as sharded engines decode eagerly), and decode tokens/s at batch
+   1 and 16 on the timing model for one GPU (graphs on and off) and two.
 
     python benchmarks/gpu_check.py [--peak-bw 4.8e12] [--skip-tests] [--skip-engine]
 
@@ -333,6 +337,59 @@ def _cuda_graph_checks(tiny: Path, big: Path, backends: list[str], test_timeout:
             print(f"{backend:>12}  {row}", flush=True)
 
 
+def _tp_engine(path: Path, dtype: str, tp: int, graphs: bool = False):
+    from arborlm import Engine
+
+    return Engine(str(path), attention_backend="triton", device="cuda", dtype=dtype,
+                  max_total_tokens=32768, tp_size=tp, disable_cuda_graph=not graphs)
+
+
+def tp_greedy(path: Path) -> tuple[bool, str]:
+    """TP=2 against TP=1 greedy outputs, float32 (must be identical)."""
+    ids = {}
+    for tp in (1, 2):
+        with _tp_engine(path, "float32", tp) as engine:
+            outs = engine.generate(GREEDY_PROMPTS, {"temperature": 0, "max_new_tokens": 32})
+        ids[tp] = [o["output_ids"] for o in outs]
+        _release()
+    return greedy_equality(ids[1], ids[2])
+
+
+def tp_timings(path: Path) -> list[str]:
+    """Decode tokens/s at batch 1 and 16 (prompts of 256): TP=1 graphs on / off, TP=2."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(10, 500, (16, 256), generator=gen).tolist()
+    steps = 64
+    rows = []
+    for tp, graphs in ((1, True), (1, False), (2, False)):
+        with _tp_engine(path, "bfloat16", tp, graphs) as engine:
+            _timed_generate(engine, prompts[:2], 4)  # warm-up: compiles kernels
+            rates = []
+            for bs in (1, 16):
+                t_first = min(_timed_generate(engine, prompts[:bs], 1) for _ in range(2))
+                t_all = min(_timed_generate(engine, prompts[:bs], steps) for _ in range(2))
+                rates.append(bs * (steps - 1) / max(t_all - t_first, 1e-9))
+        _release()
+        rows.append(f"TP={tp} graphs {'on ' if graphs else 'off'}: decode batch 1 "
+                    f"{rates[0]:8.1f}, batch 16 {rates[1]:8.1f} tokens/s")
+    return rows
+
+
+def _tp_checks(tiny: Path, big: Path, checks: list[Check]) -> None:
+    _section("tensor parallelism: --tp-size 2 over NCCL")
+    if torch.cuda.device_count() < 2:
+        print(f"skipped: {torch.cuda.device_count()} GPU(s); tensor parallelism needs one GPU "
+              f"per rank", flush=True)
+        return
+    result = guarded(checks, "TP=2 greedy (float32)", lambda: tp_greedy(tiny))
+    if result is not None:
+        ok, detail = result
+        checks.append(("TP=2 vs TP=1 greedy (float32)", ok, detail))
+        print(f"{'ok  ' if ok else 'FAIL'} TP=2 vs TP=1 greedy (float32): {detail}", flush=True)
+    for row in guarded(checks, "TP timing", lambda: tp_timings(big)) or []:
+        print(row, flush=True)
+
+
 def _section(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
 
@@ -373,6 +430,7 @@ def _engine_checks(backends: list[str], peak_bw: float, test_timeout: int,
             for row in rows or []:
                 print(f"{backend:>12}  {row}", flush=True)
         _cuda_graph_checks(tiny, big, backends, test_timeout, checks)
+        _tp_checks(tiny, big, checks)
 
 
 def main() -> int:

@@ -180,6 +180,21 @@ class EngineArgs:
         default=False)
     debug_integrity: bool = option("Check KV-pool and cache invariants whenever the engine idles.",
                                    default=False)
+    tp_size: int = option(
+        "Tensor-parallel ranks: each holds a 1/tp_size share of the attention heads, MLP and "
+        "vocabulary, in a process of its own (gloo on CPU, NCCL on CUDA, one GPU per rank); "
+        "rank 0 schedules and broadcasts each batch. Decode steps then run eagerly.", default=1)
+    nnodes: int = option("Machines the tensor-parallel ranks span (tp_size / nnodes ranks each).",
+                         default=1)
+    node_rank: int = option(
+        "This machine's index among nnodes: 0 runs the scheduler and the server, the others "
+        "only their ranks, which wait for node 0's batches.", default=0)
+    dist_init_addr: str | None = option(
+        "host:port where the ranks meet (node 0 listens there); needed with nnodes > 1, "
+        "default for one node: a free loopback port.", default=None)
+    dist_timeout: float = option(
+        "Seconds a rank waits for the others (to join, or in a collective) before the engine "
+        "fails.", default=300.0)
 
     def resolve(self) -> EngineConfig:
         from arborlm.runtime.models.builtin import resolve_model_path
@@ -206,6 +221,7 @@ class EngineArgs:
         if not self.grammar_compile_timeout > 0:
             raise InvalidRequestError("grammar_compile_timeout must be > 0 seconds",
                                       "grammar_compile_timeout")
+        self.check_parallel()
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < self.page_size:
             raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
@@ -213,6 +229,22 @@ class EngineArgs:
         return EngineConfig(args=self, model=model, attention_backend=backend,
                             tokenizer_path=self.tokenizer_path or model_path,
                             deterministic=self._deterministic(model, backend))
+
+    def check_parallel(self) -> None:
+        """`InvalidRequestError` for tensor-parallel and multi-node options that cannot hold."""
+        if self.tp_size < 1:
+            raise InvalidRequestError("tp_size must be >= 1", "tp_size")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise InvalidRequestError(f"nnodes must be >= 1 and divide tp_size "
+                                      f"({self.tp_size}), got {self.nnodes}", "nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidRequestError(f"node_rank must be in [0, {self.nnodes}), got "
+                                      f"{self.node_rank}", "node_rank")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise InvalidRequestError("nnodes > 1 needs dist_init_addr (host:port of node 0)",
+                                      "dist_init_addr")
+        if not self.dist_timeout > 0:
+            raise InvalidRequestError("dist_timeout must be > 0 seconds", "dist_timeout")
 
     def _deterministic(self, model: ModelConfig, backend: str) -> bool:
         """Whether deterministic inference is wanted: `enable_deterministic_inference`, its

@@ -10,7 +10,9 @@ options allow, in this order:
   which also runs several greedy steps per call (`run_ahead`);
 - `CompiledDecode` (`platforms/cpu/compiled_decode.py`): on CPU with `enable_torch_compile`,
   the model's forward compiled by Inductor (models the fused step does not take);
-- `EagerDecode`: none of them; every step runs eagerly.
+- `EagerDecode`: none of them; every step runs eagerly. Always so for a model sharded over
+  tensor-parallel ranks: the fused C++ step, the compiled step and the captured graphs do not
+  run the collectives between its layers.
 
 An executor takes the steps it `can_run`; the runner runs the others (extends, batches too
 large or of a shape the executor does not take) eagerly. Executors get the parts of the
@@ -42,6 +44,7 @@ class DecodeParts:
     device: str
     args: EngineArgs
     deterministic: bool  # batch-invariant kernels only (no cascade, no compiled sums)
+    tp_size: int = 1  # tensor-parallel ranks; sharded models decode eagerly
 
 
 class DecodeExecutor(abc.ABC):

@@ -34,6 +34,9 @@ from arborlm.runtime.tokenizer_utils import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Longest wait for a command while idle; the loop then tells the scheduler it idles.
+IDLE_WAIT_S = 1.0
+
 
 @dataclass
 class _Sink:
@@ -202,11 +205,13 @@ class InProcessClient(EngineClient):
             for sink in self._sinks.values():
                 sink.push((sink.index, RuntimeError(f"the engine's scheduler failed: {e!r}")))
             self._sinks.clear()
+        finally:
+            self.scheduler.close()
 
     def _run_commands(self, block: bool) -> bool:
         """Run the queued commands (waiting for the first while `block`); False: none came."""
         try:
-            self._commands.get(block=block, timeout=None if block else 0)()
+            self._commands.get(block=block, timeout=IDLE_WAIT_S if block else 0)()
         except queue.Empty:
             return False
         while True:

@@ -7,6 +7,12 @@ float32 logits for the rows the scheduler asked for. Extends run eagerly through
 its attention backend; decode steps go through the one decode executor picked at start-up
 (`arborlm.runtime.decode_executor`) where it takes them. It does not decide what runs: that is
 the scheduler's job.
+
+With `tp_size` > 1 the runner is one tensor-parallel rank: rank 0's (built without `tp`)
+starts the other ranks (`distributed.launch.TPLeader`) and broadcasts each batch to them before
+running it; a worker rank's is built with its `TPGroup` and driven by `distributed.worker`.
+Every rank holds its shard of the weights and a KV pool of its KV heads with the same slots
+(the smallest pool any rank can hold).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from arborlm.runtime import startup
 from arborlm.runtime.attention.registry import create_attention_backend
 from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.decode_executor import DecodeExecutor, DecodeParts
+from arborlm.runtime.distributed.group import TPGroup
+from arborlm.runtime.distributed.shard import TPShard
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 from arborlm.runtime.platforms.registry import choose_decode_executor
@@ -32,19 +40,49 @@ DEFAULT_MAX_POOL_TOKENS = 262_144
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
-        from arborlm.runtime.models.registry import load_model
-
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
         self.config = config
         args, mc = config.args, config.model
-        self.device = args.device
+        self.leader = None  # rank 0 of tensor parallelism: the other ranks
+        if tp is None and args.tp_size > 1:
+            from arborlm.runtime.distributed.launch import TPLeader, threads_per_rank
+
+            TPShard.of(mc, 0, args.tp_size)  # the model splits so (else ModelLoadError)
+            if args.node_rank != 0:
+                raise InvalidRequestError(
+                    f"node_rank {args.node_rank} runs only its tensor-parallel ranks, not an "
+                    f"engine: start it with `arborlm serve --node-rank {args.node_rank}`",
+                    "node_rank")
+            startup.phase("starting tensor-parallel ranks")
+            torch.set_num_threads(threads_per_rank(args))
+            self.leader = TPLeader(config)
+            tp = self.leader.group
+        try:
+            self._build(config, tp)
+        except RuntimeError as e:  # a failed collective (or another rank gone) while starting
+            if self.leader is None:
+                raise
+            self.leader.shutdown(wait=False)
+            raise self.leader.failure(e) from e
+        except BaseException:
+            if self.leader is not None:
+                self.leader.shutdown(wait=False)
+            raise
+
+    def _build(self, config: EngineConfig, tp: TPGroup | None) -> None:
+        from arborlm.runtime.models.registry import load_model
+
+        args, mc = config.args, config.model
+        self.tp = tp
+        self.device = args.device if tp is None else tp.device
         cpu = self.device == "cpu"
         if cpu:
             from arborlm.runtime.platforms.cpu import prepare
 
             prepare.keep_cpu_allocations()
         torch.manual_seed(args.random_seed)
-        self.model = load_model(mc, device=self.device)
+        self.model = load_model(mc, device=self.device, tp=tp)
+        self.shard = self.model.shard
         self.deterministic = self._deterministic_holds()
         self.weight_arena = None  # keeps the weights' huge-page mapping alive (CPU)
         if cpu:
@@ -54,11 +92,13 @@ class ModelRunner:
         self.page_size = args.page_size
         startup.phase("allocating the KV pool")
         num_slots = self._pool_slots()
+        if tp is not None:
+            num_slots = tp.min_int(num_slots)  # the same slots on every rank
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests + 2,
                                                 mc.context_length + self.page_size,
                                                 device=self.device)
-        self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype,
-                              device=self.device)
+        self.kv_pool = KVPool(num_slots, mc.num_layers, self.shard.num_kv_heads, mc.head_dim,
+                              mc.dtype, device=self.device)
         self.allocator = PagedAllocator(num_slots, self.page_size)
         self.attn_backend = create_attention_backend(config.attention_backend, self.device,
                                                      deterministic=self.deterministic)
@@ -69,9 +109,11 @@ class ModelRunner:
         self.decode_parts = DecodeParts(
             model=self.model, kv_pool=self.kv_pool, req_to_token_pool=self.req_to_token_pool,
             attn_backend=self.attn_backend, device=self.device, args=args,
-            deterministic=self.deterministic)
+            deterministic=self.deterministic, tp_size=1 if tp is None else tp.size)
         self.decode: DecodeExecutor = choose_decode_executor(self.decode_parts)
         logger.info("decode executor: %s", type(self.decode).__name__)
+        if tp is not None:
+            tp.set_op_timeout(args.dist_timeout)  # started: from now on a stall is a failure
 
     def _deterministic_holds(self) -> bool:
         """Whether this engine runs deterministic inference: wanted (`EngineConfig`), and the
@@ -83,7 +125,8 @@ class ModelRunner:
         from arborlm.runtime.platforms.cpu.prepare import deterministic_kernels_missing
 
         mc = self.config.model
-        missing = deterministic_kernels_missing(mc.dtype, mc.num_heads, mc.num_kv_heads,
+        shard = self.model.shard  # this rank's heads
+        missing = deterministic_kernels_missing(mc.dtype, shard.num_heads, shard.num_kv_heads,
                                                 mc.head_dim)
         if missing is None:
             logger.info("deterministic inference: on (batch-invariant kernels)")
@@ -95,7 +138,8 @@ class ModelRunner:
 
     def _pool_slots(self) -> int:
         args, mc = self.config.args, self.config.model
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
+        per_token = KVPool.bytes_per_token(mc.num_layers, self.shard.num_kv_heads, mc.head_dim,
+                                           mc.dtype)
         if args.max_total_tokens is not None:
             if args.max_total_tokens < 2 * self.page_size:
                 raise InvalidRequestError(
@@ -124,7 +168,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[N, vocab]` float32 for `batch.logits_indices` (all rows if None)."""
+        """Logits `[N, vocab]` float32 for `batch.logits_indices` (all rows if None).
+
+        Rank 0 of tensor parallelism first sends the batch to the other ranks; a rank that
+        died (or stopped answering) ends the engine with `EngineDeadError` naming it."""
+        if self.leader is None:
+            return self._forward(batch)
+        try:
+            self.leader.send(batch)
+            return self._forward(batch)
+        except RuntimeError as e:  # a failed collective (torch's DistBackendError among them)
+            raise self.leader.failure(e) from e
+
+    def idle(self) -> None:
+        """The scheduler has nothing to run: rank 0 tells the other ranks it still lives."""
+        if self.leader is not None:
+            try:
+                self.leader.keep_alive()
+            except RuntimeError as e:
+                raise self.leader.failure(e) from e
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them); safe twice."""
+        if self.leader is not None:
+            self.leader.shutdown()
+            self.leader = None
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.decode.can_run(batch):
             return self.decode.run(batch)
         batch.attn_backend = self.attn_backend

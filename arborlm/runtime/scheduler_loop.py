@@ -31,11 +31,13 @@ def drive_scheduler(scheduler: Scheduler, *, receive: Callable[[bool], bool],
     `receive(block)` takes in and applies what has arrived (requests, aborts, commands) and
     returns whether anything did; with `block` (the scheduler is idle) it waits for the first
     item, for as long as it chooses. An idle scheduler whose wait ended empty-handed is not
-    stepped. `emit(outputs)` gets every step's reports, `after_step()` runs after each step.
+    stepped, only told it idles (`Scheduler.idle`: tensor-parallel rank 0's keep-alive).
+    `emit(outputs)` gets every step's reports, `after_step()` runs after each step.
     """
     while not stopped():
         idle = scheduler.is_idle
         if not receive(idle) and idle:
+            scheduler.idle()
             continue
         if stopped():
             break

@@ -18,9 +18,10 @@ per-request guards end a request whose own work fails with an abort (500) and go
 `Scheduler`); any other exception there leaves the scheduler's state unknown, so it ends the
 process; `process_utils` reports the error to the parent, which fails every pending call with it.
 
-This is tensor-parallel rank 0: it owns the sockets. Other ranks would receive what rank 0
-broadcasts on `IpcAddresses.rank_broadcast(rank)`; they do not exist yet. This module does not
-tokenize, detokenize, or know about HTTP.
+This is tensor-parallel rank 0: it owns the sockets. With `tp_size` > 1 its model runner starts
+the other ranks and broadcasts each batch to them over torch.distributed (`runtime/distributed/`);
+a rank that dies fails the step, which ends this process like any other scheduler failure. This
+module does not tokenize, detokenize, or know about HTTP.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class SchedulerService:
                         debug_integrity=self.debug_integrity)
 
     def close(self) -> None:
+        self.scheduler.close()
         self.recv.close()
         self.send.close(linger_s=CLOSE_LINGER_S)  # let the last messages (a ShutdownReq) out
         terminate_context()

@@ -115,6 +115,8 @@ def serve_main(argv: list[str]) -> int:
     from arborlm.runtime.config import EngineMode
     from arborlm.runtime.engine import create_client
 
+    if engine_args.node_rank > 0:
+        return _serve_ranks(engine_args)
     logger.info("loading %s (engine: %s)",
                 engine_args.model_path or "the default model (SmolLM2-135M-Instruct)",
                 server_args.engine_mode)
@@ -139,6 +141,20 @@ def serve_main(argv: list[str]) -> int:
                      ENGINE_FAILED_EXIT)
         return ENGINE_FAILED_EXIT
     return code
+
+
+def _serve_ranks(engine_args: Any) -> int:
+    """A node other than 0 of a multi-node engine: only its tensor-parallel ranks, which take
+    their model and options from node 0 (no HTTP here)."""
+    from arborlm.errors import InvalidRequestError
+    from arborlm.runtime.distributed.launch import run_node_ranks
+
+    try:
+        engine_args.check_parallel()
+    except InvalidRequestError as e:
+        logger.error("cannot start the ranks: %s", e)
+        return 2
+    return run_node_ranks(engine_args)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

@@ -11,8 +11,13 @@ Cos/sin come from a table indexed once per step; the last layer runs its MLP onl
 whose logits are wanted. Numerics follow `transformers` op for op (RMSNorm in float32, residual
 adds and rotary in the activation dtype) so bfloat16 results match the reference closely.
 
-Not here: sampling, the KV pool, batching, tensor parallelism, sliding-window attention (a model
-whose window is shorter than the context raises `ModelLoadError`).
+Tensor parallelism (given a `TPGroup`): each rank builds only its shard (`distributed/shard.py`:
+its heads, KV heads, MLP columns and vocabulary rows), sums the outputs of o_proj and down_proj
+over the ranks (the row-parallel linears' all-reduce), looks tokens up in its embedding rows
+(zeros elsewhere, summed over the ranks) and gathers the LM head's logits from every rank.
+
+Not here: sampling, the KV pool, batching, sliding-window attention (a model whose window is
+shorter than the context raises `ModelLoadError`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from torch.nn.utils import skip_init
 from arborlm.errors import ModelLoadError
 from arborlm.runtime.attention.base import AttentionLayerSpec
 from arborlm.runtime.config import ModelConfig
+from arborlm.runtime.distributed.group import TPGroup
+from arborlm.runtime.distributed.shard import TPShard
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.layers.activation import silu_and_mul
 from arborlm.runtime.layers.norm import RMSNorm
@@ -74,9 +81,11 @@ def _check_sliding_window(config: ModelConfig) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, flags: _ArchFlags):
+    def __init__(self, config: ModelConfig, layer_id: int, flags: _ArchFlags, shard: TPShard,
+                 tp: TPGroup | None):
         super().__init__()
-        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.tp = tp
+        heads, kv_heads, head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size = heads * head_dim
         self.kv_size = kv_heads * head_dim
         self.spec = AttentionLayerSpec(layer_id, heads, kv_heads, head_dim, head_dim ** -0.5)
@@ -106,26 +115,30 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, :spec.num_heads], qk[:, spec.num_heads:]
         v = qkv[:, qk_end:]  # [T, Hkv * D]
         out = batch.attn_backend.forward(q.flatten(1), k.flatten(1), v, spec, batch)
-        return self.o_proj(out)  # [T, hidden]
+        out = self.o_proj(out)  # [T, hidden]; this rank's heads' part of it
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, flags: _ArchFlags):
+    def __init__(self, config: ModelConfig, flags: _ArchFlags, shard: TPShard,
+                 tp: TPGroup | None):
         super().__init__()
-        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size,
-                                    flags.mlp_bias, config.dtype)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, flags.mlp_bias,
-                                 config.dtype)
+        self.tp = tp
+        inter = shard.intermediate_size
+        self.gate_up_proj = _linear(config.hidden_size, 2 * inter, flags.mlp_bias, config.dtype)
+        self.down_proj = _linear(inter, config.hidden_size, flags.mlp_bias, config.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden]
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden], partial sum
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, flags: _ArchFlags):
+    def __init__(self, config: ModelConfig, layer_id: int, flags: _ArchFlags, shard: TPShard,
+                 tp: TPGroup | None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, flags)
-        self.mlp = LlamaMLP(config, flags)
+        self.self_attn = LlamaAttention(config, layer_id, flags, shard, tp)
+        self.mlp = LlamaMLP(config, flags, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                                 config.dtype)
@@ -151,20 +164,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, flags: _ArchFlags):
+    def __init__(self, config: ModelConfig, flags: _ArchFlags, shard: TPShard,
+                 tp: TPGroup | None):
         super().__init__()
+        self.tp, self.shard = tp, shard
         # Given its weight, nn.Embedding skips its random init (the weights are loaded).
-        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=config.dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        weight = torch.empty(shard.vocab_rows, config.hidden_size, dtype=config.dtype)
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, flags) for i in range(config.num_layers))
+            LlamaDecoderLayer(config, i, flags, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         hf = config.hf_config
         self.rotary = RotaryEmbedding(config.head_dim, config.context_length, rope_parameters(hf),
                                       config.dtype, hf.get("max_position_embeddings", 4096))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        x = self._embed(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary.lookup(batch.positions)  # [T, 1, D] each
         residual = None
         last = len(self.layers) - 1
@@ -174,19 +189,32 @@ class LlamaModel(nn.Module):
         out, _ = self.norm.forward_with_residual(x, residual)
         return out  # [N, hidden]
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings `[T, hidden]`; with tensor parallelism each rank looks up the ids in its
+        vocabulary rows, zeros for the others, and the sum over the ranks is exact."""
+        if self.tp is None:
+            return self.embed_tokens(ids)
+        local = ids - self.shard.vocab_start  # [T]
+        outside = (local < 0) | (local >= self.shard.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        x.masked_fill_(outside.unsqueeze(1), 0)
+        return self.tp.all_reduce(x)
+
 
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over `LlamaModel`; parameter names mirror Hugging Face's."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         _check_sliding_window(config)
         self.config = config
+        self.tp = tp
+        self.shard = TPShard.of(config) if tp is None else TPShard.of(config, tp.rank, tp.size)
         self.flags = _ArchFlags.of(config)
-        self.model = LlamaModel(config, self.flags)
+        self.model = LlamaModel(config, self.flags, self.shard, tp)
         tied = config.tie_word_embeddings
         # A tied head gets its weight from the embedding; build it on "meta" to allocate nothing.
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config.dtype,
+        self.lm_head = _linear(config.hidden_size, self.shard.vocab_rows, False, config.dtype,
                                device="meta" if tied else None)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -197,8 +225,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden `[N, hidden]` -> logits `[N, vocab]` float32 (matmul in the model dtype)."""
-        return self.lm_head(hidden).float()
+        """hidden `[N, hidden]` -> logits `[N, vocab]` float32 (matmul in the model dtype);
+        with tensor parallelism every rank gets the whole row, gathered from the ranks."""
+        logits = self.lm_head(hidden).float()  # [N, vocab rows of this rank]
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size]  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters.
@@ -218,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: not a "
                                      f"parameter of a {self.config.architecture} model")
             param, rows = targets[name]
+            tensor = self.shard.take(name, tensor)
             dst = param.data if rows is None else param.data[rows]
             if tuple(tensor.shape) != tuple(dst.shape):
                 raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the "
@@ -231,8 +264,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _weight_targets(self) -> dict[str, tuple[nn.Parameter, slice | None]]:
         """Checkpoint tensor name -> (parameter, rows of it that tensor fills, None = all)."""
-        c = self.config
-        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        s = self.shard
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
         stacked = {
             "qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
             "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),

@@ -13,6 +13,7 @@ from torch import nn
 
 from arborlm.errors import ModelLoadError
 from arborlm.runtime.config import ModelConfig
+from arborlm.runtime.distributed.group import TPGroup
 from arborlm.runtime.models.gguf.files import find_gguf_file
 from arborlm.runtime.models.llama import LlamaForCausalLM
 from arborlm.runtime.models.loader import iter_checkpoint
@@ -32,17 +33,18 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return cls
 
 
-def load_model(config: ModelConfig, device: str = "cpu") -> nn.Module:
+def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = None) -> nn.Module:
     """Build the model for `config.architecture` on `device` in `config.dtype`, load its
     safetensors or GGUF weights (cast to that dtype as they are copied), and return it in eval
-    mode.
+    mode. With `tp`, the model is this rank's shard (each checkpoint tensor is read whole and
+    only this rank's part kept).
 
     Raises `ModelLoadError` (with the model directory) for missing or unreadable weight files,
     missing, unexpected or misshapen tensors.
     """
     cls = get_model_class(config.architecture)
     with torch.device(device):
-        model = cls(config)
+        model = cls(config) if tp is None else cls(config, tp)
     if find_gguf_file(config.path) is not None:
         from arborlm.runtime.models.gguf.tensors import iter_gguf_tensors  # imports gguf
 

@@ -6,10 +6,13 @@ it is considered.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from arborlm.runtime.decode_executor import DecodeExecutor, DecodeParts
+
+logger = logging.getLogger(__name__)
 
 
 def choose_decode_executor(parts: DecodeParts) -> DecodeExecutor:
@@ -18,6 +21,10 @@ def choose_decode_executor(parts: DecodeParts) -> DecodeExecutor:
     from arborlm.runtime.decode_executor import EagerDecode
     from arborlm.runtime.platforms.cuda.graph_runner import create_cuda_graph_runner
 
+    if parts.tp_size > 1:
+        logger.info("decode steps run eagerly: the model is sharded over %d tensor-parallel "
+                    "ranks", parts.tp_size)
+        return EagerDecode()
     graphs = create_cuda_graph_runner(parts)
     if graphs is not None:
         return graphs

@@ -112,6 +112,14 @@ class Scheduler:
         """Move a running request back to the waiting queue (tests force this)."""
         self.decode.retract(req)
 
+    def idle(self) -> None:
+        """Nothing ran this turn of the loop: the model runner may keep its ranks alive."""
+        self.runner.idle()
+
+    def close(self) -> None:
+        """Release what the model runner started (tensor-parallel ranks); safe twice."""
+        self.runner.close()
+
     @property
     def is_idle(self) -> bool:
         return not self.running and not len(self.waiting) and self.prefill.chunked_req is None

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the ranks' process group, weight shards, and rank 0's batch broadcast."""
