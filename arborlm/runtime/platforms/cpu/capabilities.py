@@ -50,3 +50,12 @@ def kernel_instructions(dtype: torch.dtype) -> bool:
 def is_x86_64() -> bool:
     """Whether this is an x86-64 machine (the C++ operators are built for no other)."""
     return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@functools.cache
+def has_avx512_vnni() -> bool:
+    """Whether this CPU (and its OS) grants AVX-512 (F, BW, VL) with its VNNI int8 dot product:
+    what `quant_linear`'s integer path needs."""
+    flags = cpu_flags()
+    return (is_x86_64() and torch.cpu._is_avx512_supported()
+            and {"avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"} <= flags)

@@ -19,6 +19,9 @@ as fast on a CPU (figures: docs/performance.md, "CPU kernels"; `benchmarks/cpu_k
 - `decode_step` / `decode_steps`: a whole decode step of a Llama-family model in one call over
   these kernels (`fused_decode.FusedDecodeStep`); `packed_linear`: a oneDNN-packed weight
   called by number from a compiled graph (`linear.packed_linear`; it needs no AVX-512).
+- `quant_linear`: a linear computed from a GGUF tensor's packed blocks (Q8_0, Q4_0/1, Q5_0/1,
+  Q4_K, Q5_K, Q6_K), through AVX512-VNNI integer dot products on activations quantized per
+  block, or a portable scalar path on CPUs without them (`quant_path()` says which).
 
 The operators live in one extension, built on first use with torch's extension builder (a C++
 compiler and ninja; tens of seconds, cached on disk after) and traced by `torch.compile` as
@@ -58,7 +61,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("panel_gemm.cpp", "decode_attention.cpp", "elementwise.cpp",
                                     "packed_linear.cpp", "decode_step.cpp",
-                                    "prefill_attention.cpp")]
+                                    "prefill_attention.cpp", "quant_linear.cpp")]
 # The cache entry's name carries a hash of every source and header: the builder itself hashes
 # only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
 EXTENSION_NAME = "arborlm_cpu_kernels_" + hashlib.sha256(
@@ -198,6 +201,7 @@ def _build() -> bool:
         torch.library.register_fake("arborlm::panel_linear")(_panel_linear_shape)
         torch.library.register_fake("arborlm::causal_attention")(_causal_shape)
         torch.library.register_fake("arborlm::prefix_attention")(_prefix_shape)
+        torch.library.register_fake("arborlm::quant_linear")(_quant_linear_shape)
         _built = True
         return True
 
@@ -361,3 +365,31 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     `[T, out_features]` in x's dtype, each output one float32 dot product (in the same order
     for any T) rounded once; `available(x.dtype)` must hold."""
     return torch.ops.arborlm.panel_linear(x, panels, out_features, bias)
+
+
+def quant_linear_available() -> bool:
+    """Whether `quant_linear` runs here (the operators built: an x86-64 C++ compiler); its
+    portable path needs no AVX-512."""
+    return packed_linear_available()
+
+
+def quant_path() -> str:
+    """Which `quant_linear` path this CPU runs: "vnni" (AVX512-VNNI integer dot products) or
+    "portable" (blocks dequantized to float32 in scalar code, for any x86-64)."""
+    return "vnni" if capabilities.has_avx512_vnni() else "portable"
+
+
+def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,
+                        bias: torch.Tensor | None, vnni: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int,
+                 bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    """x `[T, in]` (float32 or bfloat16) times a GGUF weight kept packed: `weight` `[out, row
+    bytes]` uint8, the tensor's rows as the file stores them, of ggml type number `qtype`
+    (plus bias `[out]`) -> `[T, out]` in x's dtype. `path` ("vnni" or "portable") defaults to
+    `quant_path()`; the VNNI path quantizes x per 32-value block to int8 first, as llama.cpp
+    does. `quant_linear_available()` must hold."""
+    return torch.ops.arborlm.quant_linear(x, weight, int(qtype), bias,
+                                          (path or quant_path()) == "vnni")

@@ -1,0 +1,410 @@
+// Linears computed from GGUF's packed blocks, as the file stores them: `arborlm::quant_linear`.
+//
+// The weight is a GGUF tensor's bytes, one row per output column (`[out, row bytes]` uint8),
+// never dequantized into memory. A decode step streams every weight once, so a 4-bit weight
+// reads a quarter of bfloat16's bytes. Two paths, chosen per call by the caller (`vnni`):
+//
+// - Integer dot products (AVX512-VNNI `vpdpbusd` on 256-bit vectors), as llama.cpp's CPU backend
+//   does: each row of x is first quantized per 32-value block to int8 with a float scale d
+//   (d = max|x| / 127, q = round(x / d)) and the block's scaled sum s = d * sum(q). A weight
+//   block's 32 quants are unpacked in registers to bytes; `vpdpbusd` multiplies unsigned by
+//   signed bytes, so quants with a minimum (Q4_1, Q5_1, K-quants' sub-block minimums) meet the
+//   activations unsigned and their minimum is applied through s (Q4_1: d_w * d_x * dot +
+//   m_w * s), while signed ones (Q8_0, and Q4_0, Q5_0, Q6_K with their fixed offset taken off in
+//   registers) go in as |w| against x with w's sign. Each block's eight int32 lanes (exact) are scaled in float32 and summed once per
+//   output at the end. Up to 4 rows share each unpacked weight block; columns are walked in
+//   tiles of 64 that stay in L2 while every row passes over them.
+// - A portable scalar path for CPUs without those instructions: each 32-value block dequantized
+//   to float32 on the stack and dotted with x unquantized. Compiled for baseline x86-64, so it
+//   runs anywhere; slower, never an illegal instruction.
+//
+// Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (32-value blocks), Q4_K, Q5_K, Q6_K (256-value super-blocks,
+// taken one 32-value sub-block at a time; Q6_K's 16-value scales go to the int32 lanes that hold
+// them). Numbers are ggml's type ids.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+                       Q6_K = 14 };
+
+// Values per block and bytes per block of each type (ggml's `ggml_type_traits`).
+bool type_size(int64_t qtype, int64_t* block, int64_t* bytes) {
+  switch (qtype) {
+    case Q4_0: *block = 32; *bytes = 18; return true;
+    case Q4_1: *block = 32; *bytes = 20; return true;
+    case Q5_0: *block = 32; *bytes = 22; return true;
+    case Q5_1: *block = 32; *bytes = 24; return true;
+    case Q8_0: *block = 32; *bytes = 34; return true;
+    case Q4_K: *block = 256; *bytes = 144; return true;
+    case Q5_K: *block = 256; *bytes = 176; return true;
+    case Q6_K: *block = 256; *bytes = 210; return true;
+    default: return false;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// K-quants' 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// ---- the portable path -----------------------------------------------------------------------
+
+// 32-value block b of a weight row -> float32 (ggml's dequantize_row_* for that block).
+void dequant_block(int64_t qtype, const uint8_t* row, int64_t b, float* y) {
+  switch (qtype) {
+    case Q8_0: {
+      const uint8_t* p = row + b * 34;
+      const float d = half_at(p);
+      for (int i = 0; i < 32; ++i) y[i] = d * static_cast<int8_t>(p[2 + i]);
+      return;
+    }
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+      const int64_t bytes = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : 24;
+      const uint8_t* p = row + b * bytes;
+      const bool has_min = qtype == Q4_1 || qtype == Q5_1;
+      const bool five = qtype == Q5_0 || qtype == Q5_1;
+      const float d = half_at(p), m = has_min ? half_at(p + 2) : 0.0f;
+      uint32_t qh = 0;
+      const int at = has_min ? 4 : 2;
+      if (five) std::memcpy(&qh, p + at, 4);
+      const uint8_t* qs = p + at + (five ? 4 : 0);
+      const int offset = has_min ? 0 : (five ? 16 : 8);
+      for (int j = 0; j < 16; ++j) {
+        int lo = qs[j] & 0xF, hi = qs[j] >> 4;
+        if (five) {
+          lo |= ((qh >> j) & 1) << 4;
+          hi |= ((qh >> (j + 16)) & 1) << 4;
+        }
+        y[j] = (lo - offset) * d + m;
+        y[j + 16] = (hi - offset) * d + m;
+      }
+      return;
+    }
+    case Q4_K: case Q5_K: {
+      const bool five = qtype == Q5_K;
+      const uint8_t* p = row + (b / 8) * (five ? 176 : 144);
+      const int sub = static_cast<int>(b % 8);
+      const float d = half_at(p), dmin = half_at(p + 2);
+      int sc, m;
+      scale_min_k4(sub, p + 4, &sc, &m);
+      const uint8_t* qh = p + 16;
+      const uint8_t* qs = p + (five ? 48 : 16) + 32 * (sub / 2);
+      const int shift = 4 * (sub % 2);
+      for (int l = 0; l < 32; ++l) {
+        int q = (qs[l] >> shift) & 0xF;
+        if (five && (qh[l] >> sub) & 1) q += 16;
+        y[l] = d * sc * q - dmin * m;
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* p = row + (b / 8) * 210;
+      const int c = static_cast<int>(b % 8), n = c / 4, k = c % 4;
+      const uint8_t* ql = p + 64 * n + 32 * (k & 1);
+      const uint8_t* qh = p + 128 + 32 * n;
+      const auto* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * n + 2 * k;
+      const float d = half_at(p + 208);
+      for (int l = 0; l < 32; ++l) {
+        const int q = ((ql[l] >> (4 * (k >> 1))) & 0xF) | (((qh[l] >> (2 * k)) & 3) << 4);
+        y[l] = d * sc[l / 16] * (q - 32);
+      }
+      return;
+    }
+    default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
+  }
+}
+
+void portable(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
+              int64_t row_bytes, int64_t out, const float* bias, float* y) {
+  const int64_t blocks = in / 32;
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> deq(in);
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* row = w + j * row_bytes;
+      for (int64_t b = 0; b < blocks; ++b) dequant_block(qtype, row, b, deq.data() + 32 * b);
+      for (int64_t t = 0; t < rows; ++t) {
+        const float* xt = x + t * in;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < in; ++i) sum += deq[i] * xt[i];
+        y[t * out + j] = sum + (bias ? bias[j] : 0.0f);
+      }
+    }
+  });
+}
+
+// ---- the VNNI path ---------------------------------------------------------------------------
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+// Rows of x quantized per 32-value block: quants [rows, in] int8, scales d and scaled sums
+// d * sum(q) [rows, in / 32].
+struct Activations {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t in, blocks;
+};
+
+VNNI_TARGET void quantize_block(const float* xb, int8_t* q, float* d, float* s) {
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float db = amax / 127.0f;
+  const float id = db != 0.0f ? 1.0f / db : 0.0f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *d = db;
+  *s = db * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d, float* s) {
+  // Rows are contiguous and `in` a multiple of 32: block i is x[32 i .. 32 i + 32).
+  at::parallel_for(0, rows * (in / 32), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_block(x + i * 32, q + i * 32, d + i, s + i);
+  });
+}
+
+// One weight block unpacked: 32 quants as bytes (unsigned, or signed where `is_signed`), the
+// weight's scale for each of the 8 int32 lanes of the dot product (4 quants a lane), and the
+// coefficient of the activation block's scaled sum s.
+struct Unpacked {
+  __m256i q;
+  __m256 scale;
+  float min_coef;
+};
+
+VNNI_TARGET inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> lows then highs
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+VNNI_TARGET inline __m256i bits_to_16s(uint32_t bits) {  // bit i -> byte i = 16 or 0
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
+}
+
+template <int QT>
+VNNI_TARGET inline Unpacked unpack(const uint8_t* row, int64_t b) {
+  Unpacked u;
+  if constexpr (QT == Q8_0) {
+    const uint8_t* p = row + b * 34;
+    u.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    u.scale = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)));
+    u.min_coef = 0.0f;
+  } else if constexpr (QT == Q4_0 || QT == Q4_1) {
+    const uint8_t* p = row + b * (QT == Q4_0 ? 18 : 20);
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p));
+    u.q = nibbles(p + (QT == Q4_0 ? 2 : 4));
+    if constexpr (QT == Q4_0) u.q = _mm256_sub_epi8(u.q, _mm256_set1_epi8(8));  // signed
+    u.scale = _mm256_set1_ps(d);
+    u.min_coef = QT == Q4_0 ? 0.0f : _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p + 2));
+  } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+    const uint8_t* p = row + b * (QT == Q5_0 ? 22 : 24);
+    const int at = QT == Q5_0 ? 2 : 4;
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p));
+    uint32_t qh;
+    std::memcpy(&qh, p + at, 4);
+    u.q = _mm256_or_si256(nibbles(p + at + 4), bits_to_16s(qh));
+    if constexpr (QT == Q5_0) u.q = _mm256_sub_epi8(u.q, _mm256_set1_epi8(16));  // signed
+    u.scale = _mm256_set1_ps(d);
+    u.min_coef = QT == Q5_0 ? 0.0f : _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p + 2));
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    const uint8_t* p = row + (b / 8) * (QT == Q5_K ? 176 : 144);
+    const int sub = static_cast<int>(b % 8);
+    int sc, m;
+    scale_min_k4(sub, p + 4, &sc, &m);
+    const __m256i v = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p + (QT == Q5_K ? 48 : 16) + 32 * (sub / 2)));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (sub % 2)), _mm256_set1_epi8(0x0F));
+    if constexpr (QT == Q5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      const __mmask32 high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(1 << sub));
+      q = _mm256_mask_add_epi8(q, high, q, _mm256_set1_epi8(16));
+    }
+    u.q = q;
+    u.scale = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)) * sc);
+    u.min_coef = -_cvtsh_ss(*reinterpret_cast<const uint16_t*>(p + 2)) * m;
+  } else {  // Q6_K
+    const uint8_t* p = row + (b / 8) * 210;
+    const int c = static_cast<int>(b % 8), n = c / 4, k = c % 4;
+    const __m256i ql = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p + 64 * n + 32 * (k & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * n));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (k >> 1)),
+                                        _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * k), 4),
+                                        _mm256_set1_epi8(0x30));
+    u.q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));  // signed, -32..31
+    const auto* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * n + 2 * k;
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p + 208));
+    u.scale = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
+    u.min_coef = 0.0f;
+  }
+  return u;
+}
+
+// Quants with a fixed offset are made signed in registers (Q4_0: q - 8, Q5_0: q - 16, Q6_K:
+// q - 32): applying the offset through s instead would cancel two large terms in float32.
+constexpr bool is_signed(int qt) { return qt == Q8_0 || qt == Q4_0 || qt == Q5_0 || qt == Q6_K; }
+
+// Columns [j0, j1) of rows [t0, t0 + MR): each output one pass over its weight row's blocks.
+template <int QT, int MR>
+VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_t row_bytes,
+                      int64_t j0, int64_t j1, const float* bias, float* y, int64_t ldy) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* row = w + j * row_bytes;
+    __m256 acc[MR];
+    float mins[MR];
+    for (int m = 0; m < MR; ++m) {
+      acc[m] = _mm256_setzero_ps();
+      mins[m] = 0.0f;
+    }
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const Unpacked u = unpack<QT>(row, b);
+      __m256i uq = u.q;
+      __mmask32 negative = 0;
+      if constexpr (is_signed(QT)) {
+        negative = _mm256_movepi8_mask(u.q);
+        uq = _mm256_abs_epi8(u.q);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (t0 + m) * a.blocks + b;
+        __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + at * 32));
+        if constexpr (is_signed(QT)) {
+          xq = _mm256_mask_sub_epi8(xq, negative, _mm256_setzero_si256(), xq);
+        }
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq, xq);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(u.scale, _mm256_set1_ps(a.d[at])), acc[m]);
+        if constexpr (!is_signed(QT)) mins[m] += u.min_coef * a.s[at];
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      const float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+      y[(t0 + m) * ldy + j] = sum + mins[m] + (bias ? bias[j] : 0.0f);
+    }
+  }
+}
+
+constexpr int kMaxRows = 4;       // rows sharing each unpacked weight block
+constexpr int64_t kColTile = 64;  // columns whose weight rows stay cached while all rows pass
+
+template <int QT>
+VNNI_TARGET void vnni_linear(const Activations& a, int64_t rows, const uint8_t* w,
+                             int64_t row_bytes, int64_t out, const float* bias, float* y) {
+  const int64_t tiles = (out + kColTile - 1) / kColTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t j0 = c * kColTile, j1 = std::min(out, j0 + kColTile);
+      for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {
+        switch (std::min<int64_t>(kMaxRows, rows - t0)) {
+          case 4: tile<QT, 4>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 3: tile<QT, 3>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 2: tile<QT, 2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          default: tile<QT, 1>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+        }
+      }
+    }
+  });
+}
+
+void vnni(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
+          int64_t row_bytes, int64_t out, const float* bias, float* y) {
+  const int64_t blocks = in / 32;
+  std::vector<int8_t> q(rows * in);
+  std::vector<float> d(rows * blocks), s(rows * blocks);
+  quantize_rows(x, rows, in, q.data(), d.data(), s.data());
+  const Activations a{q.data(), d.data(), s.data(), in, blocks};
+  switch (qtype) {
+    case Q8_0: return vnni_linear<Q8_0>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_0: return vnni_linear<Q4_0>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_1: return vnni_linear<Q4_1>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_0: return vnni_linear<Q5_0>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_1: return vnni_linear<Q5_1>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_K: return vnni_linear<Q4_K>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_K: return vnni_linear<Q5_K>(a, rows, w, row_bytes, out, bias, y);
+    case Q6_K: return vnni_linear<Q6_K>(a, rows, w, row_bytes, out, bias, y);
+    default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
+  }
+}
+
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                        const std::optional<at::Tensor>& bias, bool use_vnni) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "quant_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, in], got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "quant_linear: x float32 or bfloat16 only, got ", dtype);
+  int64_t block, bytes;
+  TORCH_CHECK(type_size(qtype, &block, &bytes), "quant_linear: unsupported ggml type ", qtype);
+  const int64_t rows = x.size(0), in = x.size(1);
+  TORCH_CHECK(in % block == 0, "quant_linear: in = ", in, " is not a multiple of the type's ",
+              block, "-value block");
+  const int64_t row_bytes = in / block * bytes;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+                  weight.size(1) == row_bytes && weight.is_contiguous(),
+              "quant_linear: weight must be contiguous uint8 [out, ", row_bytes, "], got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t out = weight.size(0);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out,
+                "quant_linear: bias must be [out] = [", out, "], got ", bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  TORCH_CHECK(!use_vnni || cpu_has_vnni(), "quant_linear: this CPU lacks AVX512-VNNI");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({rows, out}, x32.options());
+  if (rows > 0 && out > 0) {
+    auto* fn = use_vnni ? &vnni : &portable;
+    fn(qtype, x32.data_ptr<float>(), rows, in, weight.data_ptr<uint8_t>(), row_bytes, out,
+       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  }
+  return dtype == at::kFloat ? y : y.to(dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(arborlm, m) {
+  m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias, bool vnni) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+}

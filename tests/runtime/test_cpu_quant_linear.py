@@ -1,0 +1,221 @@
+"""`arborlm::quant_linear`, linears computed from GGUF blocks kept packed, against float64.
+
+Every block type, on random blocks whose f16 scales include zero, both f16 extremes and
+subnormals (`gguf_reference.random_blocks`), decoded by the float64 reference written from
+ggml's loops (`gguf_reference.py`). Output counts that are not multiples of the 4-row tiles or
+the 64-column tiles, one to 130 rows, inputs of one block and of several, an all-zero row and rows
+with one huge value. Both paths: the portable one (blocks dequantized, x as is) must match the
+float64 product to float32 summation error; the VNNI one (x quantized per 32-value block to
+int8 first, as llama.cpp does) must match the float64 product of the same int8 activations to
+summation error, and the float64 product of x itself to within the activations' rounding bound
+(half a quant step of each block times the block's weight magnitude). A row's result must not
+depend on the other rows of the call; bfloat16 x gives the float32 result rounded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+
+from arborlm.runtime.platforms.cpu import capabilities
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu.quant_linear import (
+    QuantLinear,
+    quantize_linears,
+    quantize_weight,
+)
+from tests.runtime.gguf_reference import T, random_blocks, reference_dequantize
+
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+PATHS = ["portable", "vnni"]
+EPS32 = 2.0 ** -24
+# Ordinary f16 scales (no extremes), for the checks where x's own extremes are under test.
+PLAIN_SCALES = np.array([0.0, 1.0, 1e-3, -2.5, 0.0625, 3.0], dtype=np.float16)
+
+
+def _skip_unless(path: str) -> None:
+    if not capabilities.is_x86_64():
+        pytest.skip("ArborLM's CPU operators are built for x86-64 only")
+    assert cpu_kernels.quant_linear_available(), "quant_linear did not build"
+    if path == "vnni" and not capabilities.has_avx512_vnni():
+        pytest.skip("this CPU lacks AVX512-VNNI")
+
+
+def _weight(qtype: T, out: int, inp: int, seed: int,
+            scales: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Random packed rows `[out, row bytes]` uint8 and their float64 values and magnitudes."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    rng = np.random.default_rng(seed)
+    kwargs = {} if scales is None else {"scales": scales}
+    raw = random_blocks(qtype, out * inp // block, rng, **kwargs).reshape(out, -1)
+    values, magnitude = reference_dequantize(raw, qtype)
+    return torch.from_numpy(raw.copy()), values, magnitude
+
+
+def _quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x `[T, in]` float32 as the VNNI path sees it: per 32-value block, d = max|x| / 127 and
+    q = round(x * (1 / d)) in float32 (nearest even), returned as q * d in float64."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint((blocks * inv).astype(np.float32))
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, values: np.ndarray, magnitude: np.ndarray,
+           path: str) -> None:
+    x64 = x.double().numpy()
+    got = y.double().numpy()
+    inp = x.shape[1]
+    seen = _quantized_activations(x.numpy()) if path == "vnni" else x64
+    ref = seen @ values.T
+    # Summation error of `in` float32 terms, plus a few roundings of each term's scale.
+    bound = (inp + 16) * EPS32 * (np.abs(seen) @ magnitude.T)
+    error = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert np.all(error <= bound), (path, worst, got[worst], ref[worst], bound[worst])
+    if path == "vnni":  # and against x itself: each block off by at most half a quant step
+        step = np.abs(x64.reshape(x.shape[0], -1, 32)).max(axis=-1) / 127  # [T, blocks]
+        weight_l1 = np.abs(values).reshape(values.shape[0], -1, 32).sum(axis=-1)  # [out, blocks]
+        rounding = (0.5 + 1e-4) * step @ weight_l1.T
+        exact = x64 @ values.T
+        assert np.all(np.abs(got - exact) <= rounding + bound), path
+
+
+def _x(rows: int, inp: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inp, generator=g)
+    if rows > 2:
+        x[1] = 0  # an all-zero row: zero activation scales
+        x[2, inp // 3] = 3.0e4  # one huge value: the rest of its block quantizes to zero
+    return x
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,out", [(1, 67), (3, 5), (7, 130), (130, 33)])
+def test_matches_float64_reference(qtype, path, rows, out):
+    _skip_unless(path)
+    inp = 512  # two K-quant super-blocks, sixteen 32-value blocks
+    w, values, magnitude = _weight(qtype, out, inp, seed=int(qtype) * 101 + rows)
+    x = _x(rows, inp, seed=rows)
+    y = cpu_kernels.quant_linear(x, w, int(qtype), path=path)
+    assert y.dtype == torch.float32 and y.shape == (rows, out)
+    _check(y, x, values, magnitude, path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1],
+                         ids=lambda t: t.name)
+def test_one_and_three_block_rows(qtype, path):
+    """Inputs of 32 and 96 values (fewer than a vector of blocks), ordinary scales."""
+    _skip_unless(path)
+    for inp in (32, 96):
+        w, values, magnitude = _weight(qtype, 9, inp, seed=inp, scales=PLAIN_SCALES)
+        x = _x(5, inp, seed=inp)
+        _check(cpu_kernels.quant_linear(x, w, int(qtype), path=path), x, values, magnitude,
+               path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
+    _skip_unless(path)
+    w, _, _ = _weight(qtype, 70, 256, seed=5, scales=PLAIN_SCALES)
+    x = _x(11, 256, seed=5)
+    y = cpu_kernels.quant_linear(x, w, int(qtype), path=path)
+    for i in range(x.shape[0]):
+        one = cpu_kernels.quant_linear(x[i:i + 1], w, int(qtype), path=path)
+        assert torch.equal(one, y[i:i + 1])
+    bias = torch.randn(70)
+    assert torch.equal(cpu_kernels.quant_linear(x, w, int(qtype), bias, path=path), y + bias)
+    xb = x.bfloat16()
+    yb = cpu_kernels.quant_linear(xb, w, int(qtype), path=path)
+    assert yb.dtype == torch.bfloat16
+    widened = cpu_kernels.quant_linear(xb.float(), w, int(qtype), path=path)
+    assert torch.equal(yb, widened.bfloat16())
+
+
+def test_paths_agree_on_real_scales():
+    """The VNNI path differs from the portable one only by the activations' int8 rounding:
+    on ordinary weights and activations, well under 1% of the output's scale."""
+    _skip_unless("vnni")
+    for qtype in TYPES:
+        w, values, _ = _weight(qtype, 96, 512, seed=9, scales=np.array([0.01, 0.02], np.float16))
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(9))
+        a = cpu_kernels.quant_linear(x, w, int(qtype), path="vnni")
+        b = cpu_kernels.quant_linear(x, w, int(qtype), path="portable")
+        assert (a - b).abs().max() <= 0.01 * b.abs().max(), qtype.name
+
+
+def test_bad_arguments_are_refused():
+    _skip_unless("portable")
+    w, _, _ = _weight(T.Q4_0, 4, 64, seed=1)
+    with pytest.raises(RuntimeError, match="multiple of the type's 32-value block"):
+        cpu_kernels.quant_linear(torch.randn(2, 48), w, int(T.Q4_0), path="portable")
+    with pytest.raises(RuntimeError, match="weight must be contiguous uint8"):
+        cpu_kernels.quant_linear(torch.randn(2, 96), w, int(T.Q4_0), path="portable")
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q2_K), path="portable")
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), torch.zeros(3),
+                                 path="portable")
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
+def test_quant_linear_module_quantizes_and_computes_from_blocks(qtype):
+    _skip_unless("portable")
+    torch.manual_seed(int(qtype))
+    linear = torch.nn.Linear(96, 40, bias=True)
+    blocks = quantize_weight(linear.weight, qtype)
+    layer = QuantLinear(blocks, qtype, 96, linear.bias)
+    assert layer.blocks.nbytes == 40 * 96 // 32 * GGML_QUANT_SIZES[qtype][1]
+    # gguf's quantizer: within half a quant step of each 32-value block (Q8_0: max|w| / 127;
+    # min types: the block's range over 15 or 31), Q4_0 / Q5_0 within a whole step (max|w| / 8
+    # or / 16: the value opposite the largest clips to the last level), plus the f16 rounding
+    # of the block's scale and minimum.
+    blocks_w = linear.weight.detach().reshape(40, 3, 32)
+    amax = blocks_w.abs().amax(-1, keepdim=True)
+    span = blocks_w.amax(-1, keepdim=True) - blocks_w.amin(-1, keepdim=True)
+    within = {T.Q8_0: amax / 254, T.Q4_0: amax / 8, T.Q5_0: amax / 16, T.Q4_1: span / 30,
+              T.Q5_1: span / 62}[qtype]
+    error = (layer.dequantized().reshape(40, 3, 32) - blocks_w).abs()
+    assert (error <= within + 2.0 ** -10 * (amax + span)).all()
+    weight = layer.dequantized()
+    x = torch.randn(2, 3, 96)
+    y = layer(x)
+    assert y.shape == (2, 3, 40)
+    ref = torch.nn.functional.linear(x, weight, linear.bias.detach())
+    assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_quantize_linears_on_a_model_matches_its_dequantized_weights(make_tiny_model):
+    """A real (tiny, random) Llama quantized to Q8_0: every linear (the output head too, unless
+    tied to the embedding) becomes a QuantLinear holding only its packed bytes, and its logits
+    agree with the same model computed in float32 from the dequantized weights."""
+    _skip_unless("portable")
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    count = quantize_linears(model, T.Q8_0)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert count == len(layers) == 7 * model.config.num_hidden_layers + (0 if tied else 1)
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantLinear):
+            assert not hasattr(layer, "weight")  # only the packed bytes are kept
+            ref.get_submodule(name).weight.data.copy_(layer.dequantized())
+    ids = torch.randint(0, model.config.vocab_size, (1, 48),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids).logits.float().log_softmax(-1)
+        want = ref(ids).logits.float().log_softmax(-1)
+    kl = (want.exp() * (want - got)).sum(-1).mean().item()
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    # The issue's bound on real text is KL <= 0.01 (a random model's flat logits flip more).
+    assert kl <= 0.01 and agree >= 0.9, (kl, agree)
