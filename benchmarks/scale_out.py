@@ -7,8 +7,11 @@ running requests: round-robin makes each worker cache every tenant (and evict), 
 keeps each tenant on one worker. For each policy: the cache hit rate (cached prompt tokens /
 prompt tokens, from the responses' `meta_info`) and the throughput (output tokens/s, end to
 end). The policies alternate, `--rounds` times each (caches flushed between runs); medians.
+`--mode dp` runs the same workload on one `arborlm serve --dp-size 2` per policy
+(`--load-balance-method`) instead of a router over two servers.
 
     python benchmarks/scale_out.py                         # random-llama-40m, 2 rounds
+    python benchmarks/scale_out.py --mode dp
     python benchmarks/scale_out.py --model-path /path/to/model --rounds 3
 """
 
@@ -88,6 +91,19 @@ def run(router: str, prompts: list[str], new_tokens: int, concurrency: int) -> d
             "tok_s": sum(m["completion_tokens"] for m in metas) / wall, "wall_s": wall}
 
 
+@contextlib.contextmanager
+def front(server: list[str], policy: str, workers: list[str]) -> Iterator[str]:
+    """The URL requests go to: a router over the `workers` (the same two servers for every
+    run, caches flushed in between), or without workers one server with two replicas."""
+    if workers:
+        cmd = [sys.executable, "-m", "arborlm.routing.cli", "--port", "0", "--policy", policy,
+               "--worker-urls", *workers]
+    else:
+        cmd = [*server, "--dp-size", "2", "--load-balance-method", policy]
+    with process(cmd) as url:
+        yield url
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default="random-llama-40m")
@@ -98,18 +114,18 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--mode", choices=("router", "dp"), default="router")
     args = parser.parse_args()
-    python = [sys.executable, "-m"]
-    server = [*python, "arborlm.server", "--model-path", args.model_path, "--port", "0",
-              "--max-total-tokens", str(args.max_total_tokens)]
+    server = [sys.executable, "-m", "arborlm.server", "--model-path", args.model_path,
+              "--port", "0", "--max-total-tokens", str(args.max_total_tokens)]
     prompts = workload(args.system_words, args.question_words)
     results: dict[str, list[dict[str, float]]] = {"cache_aware": [], "round_robin": []}
-    with process(server) as w1, process(server) as w2:
+    with contextlib.ExitStack() as stack:
+        workers = [] if args.mode == "dp" else [stack.enter_context(process(server))
+                                                 for _ in range(2)]
         for round_ in range(args.rounds):
             for policy in results:
-                router = [*python, "arborlm.routing.cli", "--port", "0", "--policy", policy,
-                          "--worker-urls", w1, w2]
-                with process(router) as url:
+                with front(server, policy, workers) as url:
                     r = run(url, prompts, args.new_tokens, args.concurrency)
                 results[policy].append(r)
                 print(f"round {round_ + 1} {policy:12s} hit rate {r['hit_rate']:.3f}  "
@@ -117,7 +133,8 @@ def main() -> int:
     med = {p: {k: statistics.median(r[k] for r in rs) for k in ("hit_rate", "tok_s")}
            for p, rs in results.items()}
     ca, rr = med["cache_aware"], med["round_robin"]
-    print(f"\n{len(prompts)} requests ({TENANTS} tenants x {PER_TENANT}), 2 workers, "
+    print(f"\n{len(prompts)} requests ({TENANTS} tenants x {PER_TENANT}), 2 replicas "
+          f"({args.mode}), "
           f"medians of {args.rounds} rounds")
     print(f"{'policy':12s} {'hit rate':>9s} {'tok/s':>8s}")
     for policy, m in med.items():
