@@ -2,7 +2,8 @@
 
 A worker is in rotation while it is healthy. It leaves rotation when a request to it fails to
 connect or its connection drops before the answer (`mark_failed`), or when its `/health` check
-fails; the health loop (`check_health`, run every `health_check_interval` seconds by the router)
+fails `HEALTH_FAILURE_THRESHOLD` times in a row (one slow answer on a busy machine is not a
+death); the health loop (`check_health`, run every `health_check_interval` seconds by the router)
 puts it back once `/health` answers 200 again. `remove` takes a worker out for good (its
 requests in flight still finish); `add` registers one after a successful `/health`.
 
@@ -22,6 +23,7 @@ import httpx
 from arborlm.routing.policy import RoutingPolicy
 
 logger = logging.getLogger("arborlm.router")
+HEALTH_FAILURE_THRESHOLD = 3
 
 
 @dataclass
@@ -30,6 +32,7 @@ class Worker:
     healthy: bool = True
     in_flight: int = 0
     last_error: str = ""
+    failed_checks: int = 0  # consecutive failed health checks
 
 
 class NoWorkerError(Exception):
@@ -104,9 +107,10 @@ class WorkerPool:
         workers = list(self.workers.values())
         errors = await asyncio.gather(*(self._health_error(w.url) for w in workers))
         for worker, error in zip(workers, errors):
-            if error:
+            worker.failed_checks = worker.failed_checks + 1 if error else 0
+            if error and worker.failed_checks >= HEALTH_FAILURE_THRESHOLD:
                 self.mark_failed(worker, error)
-            elif not worker.healthy and worker.url in self.workers:
+            elif not error and not worker.healthy and worker.url in self.workers:
                 logger.info("worker %s back in rotation", worker.url)
                 worker.healthy, worker.last_error = True, ""
 
