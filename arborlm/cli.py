@@ -1,4 +1,4 @@
-"""The `arborlm` command line: `arborlm generate` (offline) and `arborlm serve` (HTTP)."""
+"""The `arborlm` command line: `arborlm generate` (offline), `serve` and `router` (HTTP)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,9 @@ def _generate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    commands = {"generate": _generate}
+    from arborlm.routing.cli import router_main
+
+    commands = {"generate": _generate, "router": router_main}
     try:
         from arborlm.server.cli import serve_main
 

@@ -51,7 +51,8 @@ def create_app(client: EngineClient, server_args: ServerArgs,
                engine_args: EngineArgs) -> FastAPI:
     model_name = server_args.served_model_name or client.config.model.path
     metrics = ServerMetrics(model_name, engine_restarts=lambda: client.restarts)
-    capacity = engine_args.max_running_requests + server_args.max_queued_requests
+    capacity = (engine_args.max_running_requests * server_args.dp_size
+                + server_args.max_queued_requests)
     state = ServerState(
         client=client, server_args=server_args, engine_args=engine_args,
         runner=GenerationRunner(client, AdmissionGate(capacity), metrics), metrics=metrics,

@@ -34,6 +34,7 @@ ENGINE_FAILED_EXIT = 3  # the engine died and could not be started again
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """Option name -> its allowed values, from the enums that declare them."""
+    from arborlm.routing.policy import SGLANG_METHODS
     from arborlm.runtime.config import (
         AttentionBackend,
         DType,
@@ -47,7 +48,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
     kinds = {"engine_mode": EngineMode, "log_level": LogLevel, "dtype": DType,
              "schedule_policy": SchedulePolicy, "attention_backend": AttentionBackend,
              "grammar_backend": GrammarBackendName}
-    return {name: choices(kind) for name, kind in kinds.items()}
+    return {**{name: choices(kind) for name, kind in kinds.items()},
+            "load_balance_method": tuple(SGLANG_METHODS)}
 
 
 def _add_fields(group: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
@@ -113,7 +115,6 @@ def serve_main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     from arborlm.errors import InvalidRequestError, ModelLoadError
     from arborlm.runtime.config import EngineMode
-    from arborlm.runtime.engine import create_client
 
     if engine_args.node_rank > 0:
         return _serve_ranks(engine_args)
@@ -128,8 +129,8 @@ def serve_main(argv: list[str]) -> int:
         options = {"restart": RestartPolicy(attempts=server_args.engine_restart_attempts),
                    "on_fatal": lambda reason: engine_failed.set()}
     try:
-        client = create_client(engine_args, server_args.engine_mode, **options)
-    except (InvalidRequestError, ModelLoadError) as e:
+        client = _create_client(engine_args, server_args, options)
+    except (InvalidRequestError, ModelLoadError, ValueError) as e:
         logger.error("cannot start the engine: %s", e)
         return 2
     try:
@@ -157,6 +158,24 @@ def _serve_ranks(engine_args: Any) -> int:
     return run_node_ranks(engine_args)
 
 
+def _create_client(engine_args: Any, server_args: ServerArgs, options: dict[str, Any]) -> Any:
+    """The engine client: one engine, or `--dp-size` replicas behind a `DataParallelClient`."""
+    from arborlm.runtime.config import EngineMode
+    from arborlm.runtime.engine import create_client
+
+    if server_args.dp_size < 1:
+        raise ValueError(f"--dp-size must be at least 1, got {server_args.dp_size}")
+    if server_args.dp_size == 1:
+        return create_client(engine_args, server_args.engine_mode, **options)
+    if server_args.engine_mode != EngineMode.MULTIPROCESS:
+        raise ValueError("--dp-size above 1 needs --engine-mode multiprocess")
+    from arborlm.routing.policy import create_policy
+    from arborlm.runtime.data_parallel_client import DataParallelClient
+
+    return DataParallelClient(engine_args, server_args.dp_size,
+                              create_policy(server_args.load_balance_method), **options)
+
+
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -174,8 +193,9 @@ def _serve(client: Any, server_args: ServerArgs, engine_args: Any,
         log_level=server_args.log_level, access_log=server_args.log_level == "debug",
         timeout_graceful_shutdown=server_args.drain_timeout,
         timeout_keep_alive=server_args.timeout_keep_alive, lifespan="on")
+    replicas = f", {server_args.dp_size} replicas" if server_args.dp_size > 1 else ""
     server = ArborServer(config, ready_note=f"model {client.config.model.path}, "
-                                            f"engine {server_args.engine_mode}",
+                                            f"engine {server_args.engine_mode}{replicas}",
                          stop_when=engine_failed)
     server.run()
     return 0 if server.started else 1

@@ -65,4 +65,12 @@ class ServerArgs:
         "in flight, answer 503 \"engine restarting\" with Retry-After, and start both again: "
         "up to this many failed starts in a row (0.5 s before the first, doubling up to 8 s), "
         "then exit with status 3. 0: exit with status 3 when one dies.", default=5)
+    dp_size: int = option(
+        "Data parallelism: engine replicas (each its own scheduler and detokenizer processes, "
+        "KV pool and radix cache) behind this server, each request routed to one by "
+        "--load-balance-method; multiprocess mode only.", default=1)
+    load_balance_method: str = option(
+        "How --dp-size replicas are chosen: cache_aware (the replica that served the longest "
+        "prefix, shortest queue when the load is imbalanced), round_robin, shortest_queue "
+        "(minimum_tokens: the same).", default="cache_aware")
     log_level: str = option("Log level.", default=LogLevel.INFO.value)
