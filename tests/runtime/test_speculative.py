@@ -227,3 +227,41 @@ def test_bad_options_name_the_field(make_tiny_model, options, field):
     with pytest.raises(InvalidRequestError) as err:
         EngineArgs(model_path=str(make_tiny_model("llama")), **options).resolve()
     assert field in str(err.value) or getattr(err.value, "param", None) == field
+
+
+def test_small_pool_and_n_equal_plain(make_tiny_model, monkeypatch):
+    """Sixteen sequences (n=2) of up to ~90 tokens in 300 KV slots: admission runs them a few
+    at a time, and drafts compete for the slots left (without them a step decodes plainly)."""
+    path = str(make_tiny_model("llama"))
+    prompts = [[(13 * i + j) % 290 + 5 for i in range(20 + 3 * j)] for j in range(8)]
+    params = [dict(GREEDY, max_new_tokens=50, n=2)] * 8
+    plain, spec, info = _plain_and_spec(monkeypatch, path, prompts, params,
+                                        engine={"max_total_tokens": 300})
+    assert len(spec) == 16
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert info["spec_accepted_tokens"] > 0
+
+
+def test_forced_retraction_resumes_exactly(make_tiny_model, monkeypatch):
+    from tests.runtime.engine_helpers import DirectScheduler
+
+    path = str(make_tiny_model("llama"))
+    texts = ["The quick brown fox", "Once upon a time", "def add(a, b):"]
+    params = dict(GREEDY, max_new_tokens=30)
+    ref = DirectScheduler(path)
+    rids = ref.submit(texts, params)
+    ref.run()
+    plain = ref.output_ids(rids)
+    _oracle(monkeypatch, {tuple(ref.tokenizer.encode(t)): o for t, o in zip(texts, plain)},
+            256)
+    d = DirectScheduler(path, **SPEC)
+    rids = d.submit(texts, params)
+    for _ in range(5):  # prefill + a few verify steps
+        d.step()
+    victim = d.scheduler.running[1]
+    assert victim.output_ids and victim.spec.stats["verify_ct"] > 0
+    d.scheduler.retract(victim)
+    d.run()
+    assert victim.retractions == 1
+    assert d.output_ids(rids) == plain
+    d.scheduler.check_integrity()
