@@ -41,6 +41,10 @@ from arborlm.runtime.speculative.ngram import NgramIndex
 # steps, at most MAX_BACKOFF_STEPS.
 FAILURES_BEFORE_BACKOFF = 2
 MAX_BACKOFF_STEPS = 64
+# A verify step runs as an eager extend, which costs more per row than a decode step through
+# the decode executor: a step verifies only when its drafts hold at least this many tokens per
+# request of the batch (always, for a lone request with a draft).
+MIN_DRAFT_TOKENS_PER_REQUEST = 1
 
 
 @dataclass
@@ -121,13 +125,14 @@ class NgramSpeculator:
     def draft(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """`batch` (a decode step, its slots taken) as a verify step: an extend of each
         request's newest token and its draft, the drafts' KV slots taken and written to the
-        requests' rows. None when no request has a draft or the pool lacks their slots (the
-        step then runs as it is)."""
+        requests' rows. None when the drafts are too few for the batch
+        (`MIN_DRAFT_TOKENS_PER_REQUEST`) or the pool lacks their slots (the step then runs as
+        it is)."""
         if batch.mode is not ForwardMode.DECODE or self.kv.page_size != 1:
             return None
         drafts = [self._draft(r) for r in batch.reqs]
         extra = sum(map(len, drafts))
-        if not extra:
+        if extra < MIN_DRAFT_TOKENS_PER_REQUEST * batch.size:
             return None
         self.kv.make_room(extra)
         if self.kv.allocator.available_size() < extra:
