@@ -2,7 +2,8 @@
 
 Workloads that copy from their prompt (rewrite a JSON object with one field changed; extract a
 text's fields into a JSON schema, constrained; repeat a code snippet with one rename) and one
-that does not (open-ended chat). Each request runs greedy on two engines, plain and
+that does not (open-ended chat), and that chat at 32 concurrent requests (32 topics, sent at
+once; its tokens/s are the batch's). Each request runs greedy on two engines, plain and
 `--speculative-algorithm NGRAM`, alternating, `--repeats` times; the table gives the median
 output tokens/s of each (whole request: prefill included, the same on both sides), the ratio,
 and the acceptance length (`meta_info.spec_accept_length`: tokens appended per verify). The
@@ -23,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import table  # noqa: E402
 
+CONCURRENT = 32
 PERSON = {"name": "Ada Lovelace", "born": 1815, "city": "London", "field": "mathematics",
           "languages": ["English", "French"], "known_for": "the first published program",
           "email": "ada@example.org"}
@@ -55,6 +57,7 @@ WORKLOADS = {
                             "running_sum:\n" + CODE, None),
     "open-ended chat": ("Write a short story about a lighthouse keeper who finds a message in a "
                         "bottle.", None),
+    f"open-ended chat x{CONCURRENT}": ("", None),
 }
 
 
@@ -64,10 +67,19 @@ def _prompt(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(chat, add_special_tokens=False)
 
 
-def _once(engine, ids: list[int], params: dict) -> tuple[float, dict]:
+TOPICS = ["a lighthouse keeper", "a lost robot", "a baker in Paris", "a mountain climber",
+          "a talking cat", "a time traveller", "a deep-sea diver", "a chess champion"]
+
+
+def _once(engine, ids, params: dict) -> tuple[float, dict]:
     start = time.perf_counter()
     out = engine.generate(input_ids=ids, sampling_params=params)
     return time.perf_counter() - start, out
+
+
+def _concurrent_prompts(tokenizer) -> list[list[int]]:
+    return [_prompt(tokenizer, f"Write a short story ({i // len(TOPICS) + 1} paragraphs) about "
+                               f"{TOPICS[i % len(TOPICS)]}.") for i in range(CONCURRENT)]
 
 
 def main() -> None:
@@ -84,7 +96,7 @@ def main() -> None:
     rows, mismatches = [], []
     try:
         for name, (text, schema) in WORKLOADS.items():
-            ids = _prompt(plain.tokenizer, text)
+            ids = _prompt(plain.tokenizer, text) if text else _concurrent_prompts(plain.tokenizer)
             params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
             if schema is not None:
                 params["json_schema"] = json.dumps(schema)
@@ -95,15 +107,19 @@ def main() -> None:
                 for side, engine in (("plain", plain), ("spec", spec)):
                     s, outs[side] = _once(engine, ids, params)
                     times[side].append(s)
-            if outs["plain"]["output_ids"] != outs["spec"]["output_ids"]:
+            batch = {k: v if isinstance(v, list) else [v] for k, v in outs.items()}
+            if [o["output_ids"] for o in batch["plain"]] != [o["output_ids"] for o in
+                                                             batch["spec"]]:
                 mismatches.append(name)
-            n = outs["plain"]["meta_info"]["completion_tokens"]
+            n = sum(o["meta_info"]["completion_tokens"] for o in batch["plain"])
             tps = {k: n / statistics.median(v) for k, v in times.items()}
-            meta = outs["spec"]["meta_info"]
+            metas = [o["meta_info"] for o in batch["spec"]]
+            verifies = sum(m.get("spec_verify_ct", 0) for m in metas)
+            accepted = sum(m.get("spec_verify_ct", 0) * m.get("spec_accept_length", 1.0)
+                           for m in metas)
             rows.append((name, n, f"{tps['plain']:.1f}", f"{tps['spec']:.1f}",
                          f"{tps['spec'] / tps['plain']:.2f}x",
-                         f"{meta.get('spec_accept_length', 1.0):.2f}",
-                         meta.get("spec_verify_ct", 0)))
+                         f"{accepted / verifies if verifies else 1.0:.2f}", verifies))
     finally:
         plain.shutdown()
         spec.shutdown()

@@ -158,6 +158,8 @@ class Scheduler:
         others_waiting = bool(len(self.waiting)) or self.prefill.chunked_req is not None
         steps = self.decode.steps_ahead(batch, others_waiting=others_waiting,
                                         last_step_s=self._step_s)
+        if steps > 1 and self.speculator.holds_back_run_ahead(batch):
+            steps = 1
         start = time.perf_counter()
         slots = None
         if steps > 1 and self.runner.can_run_ahead(fb):

@@ -73,6 +73,9 @@ class NoSpeculation:
     def draft(self, batch: ScheduledBatch) -> None:
         return None
 
+    def holds_back_run_ahead(self, batch: ScheduledBatch) -> bool:
+        return False
+
     def info(self) -> dict[str, float]:
         return {}
 
@@ -152,6 +155,13 @@ class NgramSpeculator:
             prefix_lens=batch.prefix_lens, extend_lens=[1 + len(d) for d in drafts],
             sample=[True] * batch.size, input_logprob_positions=[range(0)] * batch.size,
             out_cache_loc=torch.cat(out), draft_ids=drafts)
+
+    def holds_back_run_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch` should decode one step rather than a run of continuous steps
+        (`DecodeScheduler.steps_ahead`): some request's last draft was accepted in part, so
+        it is likely copying and will draft again at the next step, which a run would skip."""
+        return any(r.spec is not None and r.spec.stats["verify_ct"] and not r.spec.failures
+                   for r in batch.reqs)
 
     # --- verification -------------------------------------------------------------------------
 
