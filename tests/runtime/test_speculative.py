@@ -17,7 +17,7 @@ from arborlm import Engine
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.speculative import ngram
-from arborlm.runtime.speculative.ngram import NgramIndex
+from arborlm.runtime.speculative.ngram import NgramIndex, SharedNgramCache
 
 PROMPTS = [[(11 * i) % 300 + 6 for i in range(13)], [(7 * i) % 250 + 9 for i in range(5)],
            [(5 * i) % 280 + 7 for i in range(21)], [(3 * i) % 290 + 11 for i in range(9)]]
@@ -43,6 +43,31 @@ def test_ngram_index_grows_with_the_sequence():
     assert index.draft(seq, 3) == [12, 13, 10]
     seq += [99]
     assert index.draft(seq, 3) == []
+
+
+def test_shared_ngram_cache_is_bounded_and_keeps_the_newest():
+    cache = SharedNgramCache(window=2, max_draft=3, capacity=4)
+    cache.add([1, 2, 3, 4, 5, 6])
+    assert cache.draft([9, 1, 2], 5) == [3, 4, 5] and len(cache) == 4
+    cache.add([7, 8, 9])  # one more n-gram: the oldest, (1, 2), goes
+    assert len(cache) == 4 and cache.draft([1, 2], 3) == [] and cache.draft([7, 8], 3) == [9]
+    assert cache.draft([5, 6], 2) == []  # nothing followed it
+
+
+def test_shared_cache_drafts_from_a_finished_request(make_tiny_model):
+    """The same prompt twice, one after the other: the second drafts from the first's output
+    (its own prompt has nothing to copy at a 2-token window) and equals it."""
+    path = str(make_tiny_model("llama"))
+    params = dict(GREEDY, max_new_tokens=30)
+    with Engine(path, dtype="float32", debug_integrity=True, num_continuous_decode_steps=1,
+                speculative_ngram_min_match_window_size=2, **SPEC) as e:
+        first = e.generate(input_ids=PROMPTS[0], sampling_params=params)
+        before = e.get_server_info()["spec_accepted_tokens"]
+        second = e.generate(input_ids=PROMPTS[0], sampling_params=params)
+        after = e.get_server_info()["spec_accepted_tokens"]
+    assert second["output_ids"] == first["output_ids"]
+    assert after - before >= 20
+    assert second["meta_info"]["spec_accept_length"] > 3
 
 
 def _oracle(monkeypatch, refs: dict[tuple[int, ...], list[int]], vocab: int) -> list[int]:

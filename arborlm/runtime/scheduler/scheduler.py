@@ -202,6 +202,7 @@ class Scheduler:
             req.req_pool_idx = None
         self.results.detach(req)
         self.grammars.release(req)
+        self.speculator.release(req)
         self.stats["jump_forward_steps"] += req.jump_forward_steps
         self._emit(req)
 

@@ -1,5 +1,8 @@
 """`NgramSpeculator`: draft tokens for a decode step and verify them in one target forward.
 
+Drafts come from the request's own prompt and output (`NgramIndex`), else from the server-wide
+cache of finished requests' n-grams (`SharedNgramCache`).
+
 A decode step of the running requests (`DecodeScheduler.schedule`) becomes, when some of them
 have drafts, a verify step: an extend of each request's newest token followed by its draft
 (`ScheduledBatch.draft_ids`), with logits at every new position. Verification then samples
@@ -35,7 +38,7 @@ from arborlm.runtime.request import Req
 from arborlm.runtime.scheduler.batch import ScheduledBatch
 from arborlm.runtime.scheduler.kv_slots import KVSlots
 from arborlm.runtime.scheduler.results import ResultProcessor
-from arborlm.runtime.speculative.ngram import NgramIndex
+from arborlm.runtime.speculative.ngram import NgramIndex, SharedNgramCache
 
 # After this many failed drafts in a row a request pauses drafting for 2**(failures - 1) decode
 # steps, at most MAX_BACKOFF_STEPS.
@@ -45,6 +48,10 @@ MAX_BACKOFF_STEPS = 64
 # the decode executor: a step verifies only when its drafts hold at least this many tokens per
 # request of the batch (always, for a lone request with a draft).
 MIN_DRAFT_TOKENS_PER_REQUEST = 1
+# The server-wide n-gram cache: n-grams of this many tokens (at least the min window), at most
+# this many entries (each a tuple of up to num_draft_tokens ids).
+SHARED_WINDOW = 3
+SHARED_CAPACITY = 200_000
 
 
 @dataclass
@@ -76,6 +83,9 @@ class NoSpeculation:
     def holds_back_run_ahead(self, batch: ScheduledBatch) -> bool:
         return False
 
+    def release(self, req: Req) -> None:
+        pass
+
     def info(self) -> dict[str, float]:
         return {}
 
@@ -94,6 +104,8 @@ class NgramSpeculator:
         self.kv = kv
         self.results = results
         self.stats = stats
+        self.shared = SharedNgramCache(max(SHARED_WINDOW, self.min_window),
+                                       self.num_draft_tokens, SHARED_CAPACITY)
         for key in ("spec_verifies", "spec_drafts", "spec_draft_tokens",
                     "spec_accepted_tokens"):
             stats.setdefault(key, 0)
@@ -123,7 +135,13 @@ class NgramSpeculator:
         p = req.sampling_params
         k = min(state.draft_len, p.max_new_tokens - len(req.output_ids) - 1,
                 self.context_length - req.total_len - 1)
-        return state.index.draft(req.fill_ids, k)
+        tokens = req.fill_ids
+        return state.index.draft(tokens, k) or self.shared.draft(tokens, k)
+
+    def release(self, req: Req) -> None:
+        """A request finished: its tokens join the server-wide n-gram cache."""
+        if req.output_ids and not (req.finished_reason and req.finished_reason.type == "abort"):
+            self.shared.add(req.fill_ids)
 
     def draft(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """`batch` (a decode step, its slots taken) as a verify step: an extend of each
