@@ -6,8 +6,10 @@ that does not (open-ended chat), and that chat at 32 concurrent requests (32 top
 once; its tokens/s are the batch's). Each request runs greedy on two engines, plain and
 `--speculative-algorithm NGRAM`, alternating, `--repeats` times; the table gives the median
 output tokens/s of each (whole request: prefill included, the same on both sides), the ratio,
-and the acceptance length (`meta_info.spec_accept_length`: tokens appended per verify). The
-outputs of both sides must be identical; a difference is reported and fails the run.
+and the acceptance length (`meta_info.spec_accept_length`: tokens appended per verify). Both
+engines' caches are flushed before each request (prefix cache, and the server-wide n-gram cache
+that would otherwise draft a repeat from the run before). The outputs of both sides must be
+identical; a difference is reported and fails the run.
 
     python benchmarks/speculative.py [--repeats 3] [--max-new-tokens 160] [--draft-tokens 8]
 """
@@ -72,6 +74,7 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a baker in Paris", "a mountain
 
 
 def _once(engine, ids, params: dict) -> tuple[float, dict]:
+    engine.flush_cache()  # no prefix or n-gram cache hits from the runs before
     start = time.perf_counter()
     out = engine.generate(input_ids=ids, sampling_params=params)
     return time.perf_counter() - start, out

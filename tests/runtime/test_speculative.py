@@ -65,7 +65,11 @@ def test_shared_cache_drafts_from_a_finished_request(make_tiny_model):
         before = e.get_server_info()["spec_accepted_tokens"]
         second = e.generate(input_ids=PROMPTS[0], sampling_params=params)
         after = e.get_server_info()["spec_accepted_tokens"]
-    assert second["output_ids"] == first["output_ids"]
+        assert e.flush_cache()[0]
+        third = e.generate(input_ids=PROMPTS[0], sampling_params=params)
+        flushed = e.get_server_info()["spec_accepted_tokens"] - after
+    assert second["output_ids"] == first["output_ids"] == third["output_ids"]
+    assert flushed < (after - before) / 2  # the flush forgot the first two's n-grams
     assert after - before >= 20
     assert second["meta_info"]["spec_accept_length"] > 3
 

@@ -217,6 +217,7 @@ class Scheduler:
             return False, (f"cannot flush the cache while requests are pending "
                            f"({running} running, {waiting} waiting)")
         self.cache.reset()
+        self.speculator.reset()
         return True, "cache flushed"
 
     def check_integrity(self) -> None:

@@ -58,6 +58,9 @@ class SharedNgramCache:
     def __len__(self) -> int:
         return len(self._next)
 
+    def clear(self) -> None:
+        self._next.clear()
+
     def add(self, tokens: list[int], start: int = 0) -> None:
         """Record the n-grams of `tokens` that end at or after `start` (and have a token after
         them)."""

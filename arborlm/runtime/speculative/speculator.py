@@ -86,6 +86,9 @@ class NoSpeculation:
     def release(self, req: Req) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
+
     def info(self) -> dict[str, float]:
         return {}
 
@@ -137,6 +140,10 @@ class NgramSpeculator:
                 self.context_length - req.total_len - 1)
         tokens = req.fill_ids
         return state.index.draft(tokens, k) or self.shared.draft(tokens, k)
+
+    def reset(self) -> None:
+        """Forget the server-wide n-gram cache (with the prefix cache: `flush_cache`)."""
+        self.shared.clear()
 
     def release(self, req: Req) -> None:
         """A request finished: its tokens join the server-wide n-gram cache."""
