@@ -77,6 +77,15 @@ DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
           DType.FLOAT16: torch.float16}
 
 
+class SpeculativeAlgorithm(enum.StrEnum):
+    NGRAM = "NGRAM"
+
+
+# Limits on the speculative options.
+MAX_DRAFT_TOKENS = 64
+MAX_NGRAM_WINDOW = 64
+
+
 def choices(kind: type[enum.StrEnum]) -> tuple[str, ...]:
     """The values of `kind` as plain strings, in declaration order (argparse `choices=`)."""
     return tuple(member.value for member in kind)
@@ -178,6 +187,18 @@ class EngineArgs:
     disable_jump_forward: bool = option(
         "Decode tokens a grammar forces one step each instead of appending them at once.",
         default=False)
+    speculative_algorithm: str | None = option(
+        "Speculative decoding: NGRAM drafts tokens from n-gram matches in each request's own "
+        "prompt and output (prompt lookup) and verifies them in one forward; outputs equal "
+        "plain decoding's. Needs page_size 1. Default: off.", default=None)
+    speculative_num_draft_tokens: int = option(
+        "Most draft tokens per request per verify step (each request's draft length adapts "
+        "to its acceptance below this).", default=8)
+    speculative_ngram_min_match_window_size: int = option(
+        "NGRAM: the shortest suffix of a request's tokens that must recur to draft from it.",
+        default=1)
+    speculative_ngram_max_match_window_size: int = option(
+        "NGRAM: the longest suffix matched (longer matches are tried first).", default=12)
     debug_integrity: bool = option("Check KV-pool and cache invariants whenever the engine idles.",
                                    default=False)
     tp_size: int = option(
@@ -222,6 +243,7 @@ class EngineArgs:
             raise InvalidRequestError("grammar_compile_timeout must be > 0 seconds",
                                       "grammar_compile_timeout")
         self.check_parallel()
+        self._check_speculative()
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < self.page_size:
             raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
@@ -245,6 +267,24 @@ class EngineArgs:
                                       "dist_init_addr")
         if not self.dist_timeout > 0:
             raise InvalidRequestError("dist_timeout must be > 0 seconds", "dist_timeout")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            return
+        check_choice(SpeculativeAlgorithm, self.speculative_algorithm, "speculative_algorithm")
+        if self.page_size != 1:
+            raise InvalidRequestError("speculative decoding needs page_size 1", "page_size")
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(
+                f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]",
+                "speculative_num_draft_tokens")
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi <= MAX_NGRAM_WINDOW:
+            raise InvalidRequestError(
+                "speculative_ngram_min_match_window_size and "
+                "speculative_ngram_max_match_window_size must satisfy 1 <= min <= max <= "
+                f"{MAX_NGRAM_WINDOW}", "speculative_ngram_max_match_window_size")
 
     def _deterministic(self, model: ModelConfig, backend: str) -> bool:
         """Whether deterministic inference is wanted: `enable_deterministic_inference`, its

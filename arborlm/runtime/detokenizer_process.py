@@ -75,6 +75,7 @@ def _text_batch(batch: BatchTokenOutput, sent: list[tuple[int, _RequestState]]
     """Entries `i` of `batch` with each request's text and what it had not sent yet."""
     unsent = [req.take() for _, req in sent]
     jump = [batch.jump_forward_steps[i] if batch.jump_forward_steps else 0 for i, _ in sent]
+    spec = [batch.spec[i] for i, _ in sent] if batch.spec else []
     return BatchTextOutput(
         rids=[batch.rids[i] for i, _ in sent], texts=[req.stage.text for _, req in sent],
         output_ids=[ids for ids, _ in unsent],
@@ -84,7 +85,7 @@ def _text_batch(batch: BatchTokenOutput, sent: list[tuple[int, _RequestState]]
         cached_tokens=[batch.cached_tokens[i] for i, _ in sent],
         logprobs=[lp for _, lp in unsent],
         matched_stops=[req.stage.matched_stop for _, req in sent],
-        jump_forward_steps=jump if any(jump) else [])
+        jump_forward_steps=jump if any(jump) else [], spec=spec)
 
 
 class DetokenizerService:

@@ -156,6 +156,8 @@ class BatchTokenOutput(_Message):
     decode_options: list[DecodeOptions | None]  # set in each request's first chunk only
     logprobs: list[LogprobChunk | None]  # None where the request did not ask for logprobs
     jump_forward_steps: list[int] = []  # per request; empty when every entry would be 0
+    # Per request (verifies of its drafts, draft tokens accepted); empty when no request drafts.
+    spec: list[tuple[int, int]] = []
 
 
 class BatchTextOutput(_Message):
@@ -171,6 +173,7 @@ class BatchTextOutput(_Message):
     logprobs: list[LogprobChunk | None]  # entries carry texts when return_text_in_logprobs
     matched_stops: list[str | None]  # the stop string that ended the text, if any
     jump_forward_steps: list[int] = []  # per request; empty when every entry would be 0
+    spec: list[tuple[int, int]] = []  # as in `BatchTokenOutput`
 
 
 class ErrorOutput(_Message):

@@ -54,7 +54,7 @@ class Req:
         "finished_reason", "cached_tokens", "arrival_time", "seed", "priority",
         "is_chunked", "retractions", "wait_steps", "grammar", "stream", "emitted_ids",
         "stop_checker", "first_token_time", "jump_forward_steps", "input_logprobs_done",
-        "input_logprobs_sent",
+        "input_logprobs_sent", "spec",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
@@ -99,6 +99,7 @@ class Req:
         self.jump_forward_steps = 0
         self.input_logprobs_done = False  # input logprobs computed (never recomputed)
         self.input_logprobs_sent = False
+        self.spec: Any = None  # speculative decoding's state (`speculative.speculator`)
 
     # --- lengths -------------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ class ResponseBuilder:
         self._text.add(out.new_token_ids, out.finished_reason, len(self.output_ids))
         self.text = self._text.text
         self._count(out.prompt_tokens, out.completion_tokens, out.cached_tokens,
-                    out.jump_forward_steps)
+                    out.jump_forward_steps, (out.spec_verify_ct, out.spec_accepted_tokens))
         if self.req.return_logprob:
             self._add_logprobs({
                 "output_token_logprobs": self._entries(out.output_token_logprobs),
@@ -102,7 +102,8 @@ class ResponseBuilder:
         self.output_ids.extend(out.output_ids[i])
         self.text = out.texts[i]
         self._count(out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i],
-                    out.jump_forward_steps[i] if out.jump_forward_steps else 0)
+                    out.jump_forward_steps[i] if out.jump_forward_steps else 0,
+                    tuple(out.spec[i]) if out.spec else (0, 0))
         lp = out.logprobs[i]
         if self.req.return_logprob and lp is not None:
             self._add_logprobs(_as_lists(lp))
@@ -115,11 +116,17 @@ class ResponseBuilder:
         return self.event()
 
     def _count(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-               jump_forward_steps: int) -> None:
+               jump_forward_steps: int, spec: tuple[int, int]) -> None:
+        """`spec`: (verifies of the request's speculative drafts, draft tokens accepted);
+        `spec_accept_length` is the tokens appended per verify, the bonus token included."""
         self.meta.update(completion_tokens=completion_tokens, cached_tokens=cached_tokens,
                          prompt_tokens=prompt_tokens)
         if jump_forward_steps:
             self.meta["jump_forward_steps"] = jump_forward_steps
+        verify_ct, accepted = spec
+        if verify_ct:
+            self.meta["spec_verify_ct"] = verify_ct
+            self.meta["spec_accept_length"] = (accepted + verify_ct) / verify_ct
 
     def _add_logprobs(self, new: dict[str, list]) -> None:
         for key, entries in new.items():

@@ -213,6 +213,7 @@ def _token_batch(entries: list[tuple[ReqOutput, DecodeOptions | None, LogprobChu
                  ) -> BatchTokenOutput:
     outs = [out for out, _, _ in entries]
     jump = [o.jump_forward_steps for o in outs]
+    spec = [(o.spec_verify_ct, o.spec_accepted_tokens) for o in outs]
     return BatchTokenOutput(
         rids=[o.rid for o in outs], new_token_ids=[o.new_token_ids for o in outs],
         finished_reasons=[o.finished_reason for o in outs],
@@ -220,7 +221,8 @@ def _token_batch(entries: list[tuple[ReqOutput, DecodeOptions | None, LogprobChu
         completion_tokens=[o.completion_tokens for o in outs],
         cached_tokens=[o.cached_tokens for o in outs],
         decode_options=[options for _, options, _ in entries],
-        logprobs=[lp for _, _, lp in entries], jump_forward_steps=jump if any(jump) else [])
+        logprobs=[lp for _, _, lp in entries], jump_forward_steps=jump if any(jump) else [],
+        spec=spec if any(v for v, _ in spec) else [])
 
 
 def _entries(pairs: list) -> list:

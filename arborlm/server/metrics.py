@@ -4,7 +4,8 @@ Counted at the edge: HTTP requests by route and status, finished sequences by fi
 prompt / generated / cached tokens, and latency histograms per sequence — time to first token,
 inter-token latency, time per output token, end-to-end latency. Read from the engine at each
 scrape: running and queued requests, KV usage, the prefix-cache hit rate and how many times
-the engine's processes were started again after dying (`arborlm:engine_restarts_total`). Names
+the engine's processes were started again after dying (`arborlm:engine_restarts_total`), and
+speculative decoding's drafts, draft tokens and accepted draft tokens. Names
 use the `arborlm:` prefix, as vLLM and SGLang use theirs.
 """
 
@@ -32,6 +33,25 @@ class _RestartCounter:
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(f"{PREFIX}engine_restarts", "Times the engine's processes "
                                   "were started again after one died", value=self.read())
+
+
+# Engine counters of speculative decoding: (metric name, `get_server_info` key, help).
+SPEC_COUNTERS = (
+    ("spec_drafts", "spec_drafts", "Speculative drafts verified (one per request and step)"),
+    ("spec_draft_tokens", "spec_draft_tokens", "Speculative draft tokens proposed"),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative draft tokens accepted"),
+)
+
+
+class _EngineCounters:
+    """Counters the engine keeps (`SPEC_COUNTERS`), as of the last scrape's engine info."""
+
+    def __init__(self) -> None:
+        self.info: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, key, text in SPEC_COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}{name}", text, value=self.info.get(key, 0))
 
 
 class ServerMetrics:
@@ -68,6 +88,8 @@ class ServerMetrics:
         info = Gauge(f"{m}model_info", "The served model", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
         r.register(_RestartCounter(engine_restarts))
+        self.engine_counters = _EngineCounters()
+        r.register(self.engine_counters)
 
     def observer(self) -> SequenceObserver:
         return SequenceObserver(self, time.monotonic())
@@ -82,6 +104,7 @@ class ServerMetrics:
             free = engine_info.get("available_kv_tokens", total)
             cached = engine_info.get("cached_kv_tokens", 0)
             self.kv_usage.set((total - free - cached) / total if total else 0.0)
+            self.engine_counters.info = engine_info
         return generate_latest(self.registry)
 
 

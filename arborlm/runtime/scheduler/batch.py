@@ -3,7 +3,9 @@
 For EXTEND, request i prefills `fill_ids[prefix_lens[i] : prefix_lens[i] + extend_lens[i]]`.
 The logits plan lists, per request, which of its new positions need logits: the positions whose
 next token's input logprob was asked for (`logprob_start_len`), and the last position when the
-next token is sampled. DECODE runs one token per request, `fill_ids[prefix_lens[i]]`, and
+next token is sampled. A verify step of speculative decoding (`draft_ids` set) is an EXTEND of
+each request's newest token followed by its draft tokens, with logits at every new position
+(`arborlm.runtime.speculative`). DECODE runs one token per request, `fill_ids[prefix_lens[i]]`, and
 keeps the logits of every row.
 
 The batch carries everything the later phases of the step read (its phase, its KV slots, the
@@ -36,6 +38,9 @@ class ScheduledBatch:
     input_logprob_positions: list[range]
     # KV slots of the new tokens, request after request (already in their `req_to_token` rows).
     out_cache_loc: torch.Tensor
+    # A verify step's draft tokens per request (extend_lens[i] == 1 + len(draft_ids[i])); None
+    # for any other step.
+    draft_ids: list[list[int]] | None = None
     # The logits plan: rows of the forward's hidden states that need logits, in order.
     logits_rows: list[int] = field(init=False, repr=False)
     # Per request: (its first row in the logits, its n input logprob rows, its sample row | -1).
@@ -50,7 +55,10 @@ class ScheduledBatch:
             lp = self.input_logprob_positions[i]
             self.logits_rows.extend(start + p - prefix for p in lp)
             sample_row = -1
-            if self.sample[i]:
+            if self.draft_ids is not None:  # every new position: rows sample_row + j
+                sample_row = len(self.logits_rows)
+                self.logits_rows.extend(range(start, start + ext))
+            elif self.sample[i]:
                 sample_row = len(self.logits_rows)
                 self.logits_rows.append(start + ext - 1)
             self.rows.append((first, len(lp), sample_row))
@@ -69,8 +77,9 @@ class ScheduledBatch:
             positions = torch.tensor(self.prefix_lens, dtype=torch.int64)
         else:
             ids = []
-            for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
-                ids.extend(r.fill_ids[p:p + e])
+            for i, (r, p, e) in enumerate(zip(self.reqs, self.prefix_lens, self.extend_lens)):
+                draft = self.draft_ids[i] if self.draft_ids is not None else []
+                ids.extend(r.fill_ids[p:p + e - len(draft)] + draft)
             positions = torch.cat([torch.arange(p, p + e)
                                    for p, e in zip(self.prefix_lens, self.extend_lens)])
         return ForwardBatch(

@@ -124,6 +124,18 @@ class DecodeScheduler:
                 req.jump_forward_steps += ext - 1
             self._settle(req, share)
 
+    def after_verify(self, batch: ScheduledBatch, computed: list[int]) -> None:
+        """Advance the requests of a speculative verify step (`batch.draft_ids`): request i
+        keeps the KV of its first `computed[i]` new positions (its newest token and the drafts
+        it accepted); the slots of the rejected drafts go back to the pool."""
+        self.stats["decode_steps"] += 1
+        share = self._count_decode_steps(1)
+        for req, p, ext, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, computed):
+            req.computed_len = p + n
+            if n < ext:
+                self.allocator.free(self.req_pool.req_to_token[req.req_pool_idx, p + n:p + ext])
+            self._settle(req, share)
+
     def drop_finished(self) -> list[Req]:
         """Remove the finished requests (aborted since the last step) and return them."""
         done = [r for r in self.running if r.finished]

@@ -32,6 +32,9 @@ class ReqOutput:
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     input_token_ids_logprobs: list[list[LogprobEntry] | None] | None = None
     jump_forward_steps: int = 0
+    # Speculative decoding: verifies of the request's drafts, and the draft tokens accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
 
 def make_output(req: Req) -> ReqOutput:
@@ -47,6 +50,9 @@ def make_output(req: Req) -> ReqOutput:
         cached_tokens=req.cached_tokens,
         jump_forward_steps=req.jump_forward_steps,
     )
+    if req.spec is not None:
+        out.spec_verify_ct = req.spec.stats["verify_ct"]
+        out.spec_accepted_tokens = req.spec.stats["accepted"]
     if req.return_logprob:
         out.output_token_logprobs = req.output_token_logprobs[start:]
         if req.top_logprobs_num:

@@ -118,6 +118,11 @@ class ResultProcessor:
         else:
             self._sample(sample_reqs, logits[torch.tensor(sample_rows, dtype=torch.int64)])
 
+    def sample_next(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Sample each request's next token from its row of `logits` [len(reqs), V], as a
+        decode step does (a speculative verify step calls this once per draft position)."""
+        self._sample(reqs, logits)
+
     # --- input logprobs -------------------------------------------------------------------------
 
     def _input_logprobs(self, req: Req, positions: range, logits: torch.Tensor,

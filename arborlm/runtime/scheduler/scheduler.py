@@ -4,8 +4,9 @@ One `step()` is: release finished requests (and those whose grammar failed to co
 schedule the next batch: a prefill batch of newly admitted requests and the ongoing chunked
 prompt (`prefill.py`), else one step of every running request, retracting the newest ones when
 the KV pool runs dry (`decode.py`) → forward (a greedy decode step may run several steps ahead
-in one call) → sample (`results.py`) → advance the batch's requests (`after_step` of the module
-that scheduled it). The `ScheduledBatch` carries what each phase needs from the one before.
+in one call, or verify speculative drafts: `arborlm.runtime.speculative`) → sample
+(`results.py`) → advance the batch's requests (`after_step` of the module that scheduled it).
+The `ScheduledBatch` carries what each phase needs from the one before.
 Grammar work lives in `GrammarManager`; requests waiting for their grammar's compile stay in
 the waiting queue but are not admitted until it is ready. The same class runs in-process
 (`Engine`) and inside the scheduler process; it knows nothing of sockets, HTTP or text beyond
@@ -41,6 +42,7 @@ from arborlm.runtime.scheduler.outputs import ReqOutput, make_output
 from arborlm.runtime.scheduler.policy import WaitingQueue
 from arborlm.runtime.scheduler.prefill import PrefillScheduler
 from arborlm.runtime.scheduler.results import ResultProcessor, eos_token_ids, fail_request
+from arborlm.runtime.speculative.speculator import create_speculator
 
 # With nothing to run but grammars compiling, a step sleeps on the compiles this long at most.
 GRAMMAR_WAIT_S = 0.005
@@ -67,6 +69,7 @@ class Scheduler:
                                         finish=self._finish, emit=self._emit)
         self.decode = DecodeScheduler(config, self.waiting, kv, self.results, self.stats,
                                       finish=self._finish, emit=self._emit)
+        self.speculator = create_speculator(config, kv, self.results, self.stats)
         self._outputs: list[ReqOutput] = []
         self._step_s = 0.0  # wall time of the last decode step (per step, when run ahead)
 
@@ -152,11 +155,19 @@ class Scheduler:
 
     def _run_decode(self, batch: ScheduledBatch) -> None:
         """One decode step of `batch`, or a run of greedy steps in one call when every request
-        may take them and the pool has their slots (`DecodeScheduler.steps_ahead`)."""
+        may take them and the pool has their slots (`DecodeScheduler.steps_ahead`); with
+        speculative decoding, a verify step of the requests' drafts when some have one."""
+        verify = self.speculator.draft(batch)
+        if verify is not None:
+            logits = self.runner.forward(self._forward_batch(verify))
+            self.decode.after_verify(verify, self.speculator.verify(verify, logits))
+            return
         fb = self._forward_batch(batch)
         others_waiting = bool(len(self.waiting)) or self.prefill.chunked_req is not None
         steps = self.decode.steps_ahead(batch, others_waiting=others_waiting,
                                         last_step_s=self._step_s)
+        if steps > 1 and self.speculator.holds_back_run_ahead(batch):
+            steps = 1
         start = time.perf_counter()
         slots = None
         if steps > 1 and self.runner.can_run_ahead(fb):
@@ -199,6 +210,7 @@ class Scheduler:
             req.req_pool_idx = None
         self.results.detach(req)
         self.grammars.release(req)
+        self.speculator.release(req)
         self.stats["jump_forward_steps"] += req.jump_forward_steps
         self._emit(req)
 
@@ -213,6 +225,7 @@ class Scheduler:
             return False, (f"cannot flush the cache while requests are pending "
                            f"({running} running, {waiting} waiting)")
         self.cache.reset()
+        self.speculator.reset()
         return True, "cache flushed"
 
     def check_integrity(self) -> None:
@@ -241,5 +254,6 @@ class Scheduler:
             "deterministic_inference": self.runner.deterministic,
             **self.stats,
             **self.grammars.info(),
+            **self.speculator.info(),
             "time": time.time(),
         }

@@ -1,0 +1,234 @@
+"""`NgramSpeculator`: draft tokens for a decode step and verify them in one target forward.
+
+Drafts come from the request's own prompt and output (`NgramIndex`), else from the server-wide
+cache of finished requests' n-grams (`SharedNgramCache`).
+
+A decode step of the running requests (`DecodeScheduler.schedule`) becomes, when some of them
+have drafts, a verify step: an extend of each request's newest token followed by its draft
+(`ScheduledBatch.draft_ids`), with logits at every new position. Verification then samples
+position after position through the ordinary path (`ResultProcessor.sample_next`: penalties,
+bias, bans, the grammar mask and guard, the seeded sampler, logprobs, stop checks,
+jump-forward), and a request keeps going while the token it sampled equals its next draft
+token. So what a request appends is exactly what plain decoding appends, for greedy and for
+sampling alike: an n-gram draft is a point mass q, and sampling t ~ p then accepting when t is
+the draft is rejection sampling with acceptance probability p(draft), whose rejected branch is
+p without the draft, renormalized. The seeded sampler draws by (seed, output position), so
+even the tokens of a seeded request are those of plain decoding. The last position sampled
+gives the bonus token; the KV slots of the rejected drafts go back to the pool
+(`DecodeScheduler.after_verify`).
+
+Adaptive: each request's draft length follows its acceptance (grows by one after a fully
+accepted draft, shrinks to what was accepted plus one otherwise), and a request whose drafts
+keep failing stops drafting for a number of steps that doubles with each failure, so a
+workload with nothing to copy runs as plain decoding.
+
+It drafts only for requests whose newest token is their only one without KV and only with
+page size 1 (`EngineArgs.resolve` rejects other page sizes with speculation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from arborlm.runtime.config import EngineConfig
+from arborlm.runtime.forward_batch import ForwardMode
+from arborlm.runtime.request import Req
+from arborlm.runtime.scheduler.batch import ScheduledBatch
+from arborlm.runtime.scheduler.kv_slots import KVSlots
+from arborlm.runtime.scheduler.results import ResultProcessor
+from arborlm.runtime.speculative.ngram import NgramIndex, SharedNgramCache
+
+# After this many failed drafts in a row a request pauses drafting for 2**(failures - 1) decode
+# steps, at most MAX_BACKOFF_STEPS.
+FAILURES_BEFORE_BACKOFF = 2
+MAX_BACKOFF_STEPS = 64
+# A verify step runs as an eager extend, which costs more per row than a decode step through
+# the decode executor: a step verifies only when its drafts hold at least this many tokens per
+# request of the batch (always, for a lone request with a draft).
+MIN_DRAFT_TOKENS_PER_REQUEST = 1
+# The server-wide n-gram cache: n-grams of this many tokens (at least the min window), at most
+# this many entries (each a tuple of up to num_draft_tokens ids).
+SHARED_WINDOW = 3
+SHARED_CAPACITY = 200_000
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its n-gram index, draft length, back-off and counts
+    (`verify_ct`: verifies of its drafts; `accepted`: draft tokens accepted in them)."""
+
+    index: NgramIndex
+    draft_len: int
+    failures: int = 0  # drafts in a row with nothing accepted
+    pause: int = 0  # decode steps left without drafting
+    stats: dict[str, int] = field(default_factory=lambda: {"verify_ct": 0, "accepted": 0})
+
+
+def create_speculator(config: EngineConfig, kv: KVSlots, results: ResultProcessor,
+                      stats: dict[str, int]) -> NgramSpeculator | NoSpeculation:
+    """The speculator `speculative_algorithm` names (checked by `EngineArgs.resolve`)."""
+    if config.args.speculative_algorithm is None:
+        return NoSpeculation()
+    return NgramSpeculator(config, kv, results, stats)
+
+
+class NoSpeculation:
+    """Speculation off: no decode step becomes a verify step."""
+
+    def draft(self, batch: ScheduledBatch) -> None:
+        return None
+
+    def holds_back_run_ahead(self, batch: ScheduledBatch) -> bool:
+        return False
+
+    def release(self, req: Req) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def info(self) -> dict[str, float]:
+        return {}
+
+
+class NgramSpeculator:
+    """`stats`: the engine's counters (drafts, draft tokens, accepted draft tokens, verify
+    steps), updated in place."""
+
+    def __init__(self, config: EngineConfig, kv: KVSlots, results: ResultProcessor,
+                 stats: dict[str, int]):
+        args = config.args
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.min_window = args.speculative_ngram_min_match_window_size
+        self.max_window = args.speculative_ngram_max_match_window_size
+        self.context_length = config.model.context_length
+        self.kv = kv
+        self.results = results
+        self.stats = stats
+        self.shared = SharedNgramCache(max(SHARED_WINDOW, self.min_window),
+                                       self.num_draft_tokens, SHARED_CAPACITY)
+        for key in ("spec_verifies", "spec_drafts", "spec_draft_tokens",
+                    "spec_accepted_tokens"):
+            stats.setdefault(key, 0)
+
+    def info(self) -> dict[str, float]:
+        """The average acceptance length: tokens a request appends per verify of a draft
+        (its accepted draft tokens plus the bonus token)."""
+        n = self.stats["spec_verifies"]
+        return {"avg_spec_accept_length": (self.stats["spec_accepted_tokens"] + n) / n
+                if n else 0.0}
+
+    # --- drafting -----------------------------------------------------------------------------
+
+    def _state(self, req: Req) -> SpecState:
+        if req.spec is None:
+            req.spec = SpecState(NgramIndex(self.min_window, self.max_window),
+                                 self.num_draft_tokens)
+        return req.spec
+
+    def _draft(self, req: Req) -> list[int]:
+        if req.total_len != req.computed_len + 1 or req.finished:
+            return []
+        state = self._state(req)
+        if state.pause:
+            state.pause -= 1
+            return []
+        p = req.sampling_params
+        k = min(state.draft_len, p.max_new_tokens - len(req.output_ids) - 1,
+                self.context_length - req.total_len - 1)
+        tokens = req.fill_ids
+        return state.index.draft(tokens, k) or self.shared.draft(tokens, k)
+
+    def reset(self) -> None:
+        """Forget the server-wide n-gram cache (with the prefix cache: `flush_cache`)."""
+        self.shared.clear()
+
+    def release(self, req: Req) -> None:
+        """A request finished: its tokens join the server-wide n-gram cache."""
+        if req.output_ids and not (req.finished_reason and req.finished_reason.type == "abort"):
+            self.shared.add(req.fill_ids)
+
+    def draft(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """`batch` (a decode step, its slots taken) as a verify step: an extend of each
+        request's newest token and its draft, the drafts' KV slots taken and written to the
+        requests' rows. None when the drafts are too few for the batch
+        (`MIN_DRAFT_TOKENS_PER_REQUEST`) or the pool lacks their slots (the step then runs as
+        it is)."""
+        if batch.mode is not ForwardMode.DECODE or self.kv.page_size != 1:
+            return None
+        drafts = [self._draft(r) for r in batch.reqs]
+        extra = sum(map(len, drafts))
+        if extra < MIN_DRAFT_TOKENS_PER_REQUEST * batch.size:
+            return None
+        self.kv.make_room(extra)
+        if self.kv.allocator.available_size() < extra:
+            return None
+        slots = self.kv.allocator.alloc_slots(extra)
+        own = batch.out_cache_loc.view(-1)
+        out, taken = [], 0
+        for i, (req, d) in enumerate(zip(batch.reqs, drafts)):
+            mine = slots[taken:taken + len(d)]
+            taken += len(d)
+            self.kv.req_pool.write(req.req_pool_idx, batch.prefix_lens[i] + 1, mine)
+            out.extend([own[i:i + 1], mine])
+        self.stats["spec_drafts"] += sum(1 for d in drafts if d)
+        self.stats["spec_draft_tokens"] += extra
+        return ScheduledBatch(
+            mode=ForwardMode.EXTEND, decoding=True, reqs=batch.reqs,
+            prefix_lens=batch.prefix_lens, extend_lens=[1 + len(d) for d in drafts],
+            sample=[True] * batch.size, input_logprob_positions=[range(0)] * batch.size,
+            out_cache_loc=torch.cat(out), draft_ids=drafts)
+
+    def holds_back_run_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch` should decode one step rather than a run of continuous steps
+        (`DecodeScheduler.steps_ahead`): some request's last draft was accepted in part, so
+        it is likely copying and will draft again at the next step, which a run would skip."""
+        return any(r.spec is not None and r.spec.stats["verify_ct"] and not r.spec.failures
+                   for r in batch.reqs)
+
+    # --- verification -------------------------------------------------------------------------
+
+    def verify(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
+        """Sample the verify step's positions in order (`logits` [sum(extend_lens), V], each
+        request's rows consecutive) while each request's samples match its draft; returns
+        per request how many of its new positions hold accepted KV (1 + accepted drafts)."""
+        reqs, drafts = batch.reqs, batch.draft_ids
+        # A request with no draft that only fed one of its forced tokens (more follow), or
+        # that was aborted, is not sampled (as in `ResultProcessor.process`).
+        computed = list(batch.extend_lens)
+        live = [i for i, r in enumerate(reqs) if not r.finished
+                and batch.prefix_lens[i] + batch.extend_lens[i] >= r.total_len]
+        for j in range(max(batch.extend_lens)):
+            todo = [i for i in live if j < batch.extend_lens[i] and not reqs[i].finished]
+            if not todo:
+                break
+            before = [len(reqs[i].output_ids) for i in todo]
+            rows = torch.tensor([batch.rows[i][2] + j for i in todo], dtype=torch.int64)
+            self.results.sample_next([reqs[i] for i in todo], logits[rows])
+            live = []
+            for i, n in zip(todo, before):
+                req = reqs[i]
+                computed[i] = j + 1
+                if (not req.finished and len(req.output_ids) == n + 1 and j < len(drafts[i])
+                        and req.output_ids[-1] == drafts[i][j]):
+                    live.append(i)
+        for i, req in enumerate(reqs):
+            if drafts[i]:
+                self._adapt(req, len(drafts[i]), computed[i] - 1)
+        return computed
+
+    def _adapt(self, req: Req, drafted: int, accepted: int) -> None:
+        state = self._state(req)
+        state.stats["verify_ct"] += 1
+        state.stats["accepted"] += accepted
+        self.stats["spec_verifies"] += 1
+        self.stats["spec_accepted_tokens"] += accepted
+        if accepted == drafted:
+            state.draft_len = min(self.num_draft_tokens, state.draft_len + 1)
+        else:
+            state.draft_len = max(1, accepted + 1)
+        state.failures = 0 if accepted else state.failures + 1
+        if state.failures >= FAILURES_BEFORE_BACKOFF:
+            state.pause = min(MAX_BACKOFF_STEPS, 2 ** (state.failures - FAILURES_BEFORE_BACKOFF))
