@@ -20,6 +20,7 @@ import torch
 import arborlm
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.config import EngineArgs, ModelConfig
+from arborlm.runtime.models.factory import tiny_model
 from arborlm.runtime.models.registry import load_model
 from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear
@@ -138,3 +139,35 @@ def test_options_it_cannot_apply_to_are_refused_naming_it(make_tiny_model, args,
     with pytest.raises(InvalidRequestError, match=reason) as e:
         EngineArgs(model_path=str(make_tiny_model("llama")), **args).resolve()
     assert e.value.param == "quantization"
+
+
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q4_K"), ("qwen2", "Q4_0")])
+def test_gguf_linears_stay_packed_and_compute_like_the_decoded_file(arch, qtype, tmp_path,
+                                                                    monkeypatch):
+    """`--quantization gguf` on a written file: every decoder linear becomes a QuantLinear of
+    the file's own blocks (llama: q/k rows un-interleaved as whole block rows; qwen2: q/k/v
+    biases loaded into the QuantLinear), except layer 0's q/k/v, whose attn_v is stored as Q8_0
+    against the others' type, so that stacked linear is decoded to float instead. On the
+    portable path (blocks decoded to float32) the logits equal the decoded file's model."""
+    _skip_unless("portable")
+    from gguf import GGMLQuantizationType as T
+
+    from tests.runtime.gguf_writer import write_gguf
+    from tests.runtime.test_gguf_models import SIZE
+
+    path = write_gguf(tiny_model(arch, **SIZE), tmp_path / f"{arch}.gguf", T[qtype],
+                      zero_typed={"blk.0.attn_v.weight": T.Q8_0})
+    monkeypatch.setattr(cpu_kernels, "quant_path", lambda: "portable")
+    config = ModelConfig.from_path(path, "float32")
+    quantized, ref = load_model(config, quantization="gguf"), load_model(config)
+    packed = {n: m for n, m in quantized.named_modules() if isinstance(m, QuantLinear)}
+    assert len(packed) == 4 * config.num_layers - 1
+    assert type(quantized.model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
+    assert {m.qtype.name for m in packed.values()} == {qtype}
+    if arch == "qwen2":
+        qkv = quantized.model.layers[1].self_attn.qkv_proj
+        torch.testing.assert_close(qkv.bias, ref.model.layers[1].self_attn.qkv_proj.bias)
+    ids = _tokens(24, seed=3)
+    got = _log_probs(quantized, config, ids[:20], ids[20:])
+    want = _log_probs(ref, config, ids[:20], ids[20:])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
