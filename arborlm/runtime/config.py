@@ -125,10 +125,11 @@ class EngineArgs:
     device: str = option("Device: cpu or cuda.", default="cpu")
     quantization: str | None = option(
         "CPU: keep the decoder's linear weights packed in GGUF blocks and compute from them "
-        "(faster single-request decode, slower prefill and large batches; the embedding and "
-        "output head stay in dtype). q8_0, q4_0, q4_1, q5_0 or q5_1 quantize a float "
-        "checkpoint at load; gguf keeps a GGUF file's quantized linears as the file has them. "
-        "Default: none (every weight in dtype). Decode then runs eagerly.", default=None)
+        "(the embedding and output head stay in dtype). q8_0, q4_0, q4_1, q5_0 or q5_1 "
+        "quantize a float checkpoint at load; gguf keeps a GGUF file's quantized linears as the "
+        "file has them. Decode then runs eagerly, without the fused step: not yet faster than "
+        "the default end to end (docs/serving.md). Default: none (every weight in dtype).",
+        default=None)
     max_total_tokens: int | None = option(
         "KV cache capacity in tokens; default: from mem_fraction of available memory.",
         default=None)
