@@ -69,6 +69,18 @@ class SchedulePolicy(enum.StrEnum):
     DFS_WEIGHT = "dfs-weight"
 
 
+class Quantization(enum.StrEnum):
+    """`quantization`: a GGUF block type a float checkpoint's linears are quantized to at load,
+    or `gguf`, a GGUF file's quantized linears kept as the file packs them."""
+
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+    Q4_1 = "q4_1"
+    Q5_0 = "q5_0"
+    Q5_1 = "q5_1"
+    GGUF = "gguf"
+
+
 # The grammar engines, as `arborlm.constrained` (their registry) names them.
 GrammarBackendName = enum.StrEnum(
     "GrammarBackendName", {name.upper(): name for name in GRAMMAR_BACKENDS})
@@ -120,6 +132,13 @@ class EngineArgs:
                         "bfloat16 arithmetic (AVX512-BF16 or AMX), else the checkpoint's.",
                         default=DType.AUTO.value)
     device: str = option("Device: cpu or cuda.", default="cpu")
+    quantization: str | None = option(
+        "CPU: keep the decoder's linear weights packed in GGUF blocks and compute from them "
+        "(the embedding and output head stay in dtype). q8_0, q4_0, q4_1, q5_0 or q5_1 "
+        "quantize a float checkpoint at load; gguf keeps a GGUF file's quantized linears as the "
+        "file has them. Decode then runs eagerly, without the fused step: not yet faster than "
+        "the default end to end (docs/serving.md). Default: none (every weight in dtype).",
+        default=None)
     max_total_tokens: int | None = option(
         "KV cache capacity in tokens; default: from mem_fraction of available memory.",
         default=None)
@@ -244,6 +263,7 @@ class EngineArgs:
                                       "grammar_compile_timeout")
         self.check_parallel()
         self._check_speculative()
+        self.check_quantization(model)
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < self.page_size:
             raise InvalidRequestError("chunked_prefill_size must be -1 or >= page_size",
@@ -285,6 +305,30 @@ class EngineArgs:
                 "speculative_ngram_min_match_window_size and "
                 "speculative_ngram_max_match_window_size must satisfy 1 <= min <= max <= "
                 f"{MAX_NGRAM_WINDOW}", "speculative_ngram_max_match_window_size")
+
+    def check_quantization(self, model: ModelConfig) -> None:
+        """`InvalidRequestError` naming `quantization` where it cannot apply to this engine."""
+        if self.quantization is None:
+            return
+        from arborlm.runtime.models.gguf.files import find_gguf_file
+
+        value = check_choice(Quantization, self.quantization, "quantization")
+        is_gguf = find_gguf_file(Path(model.path)) is not None
+        reasons = []
+        if self.device != "cpu":
+            reasons.append(f"its packed kernels run on CPU only (device {self.device})")
+        if self.tp_size > 1:
+            reasons.append(f"tensor parallelism (tp_size {self.tp_size}) shards float weights")
+        if model.dtype not in (torch.float32, torch.bfloat16):
+            reasons.append(f"its kernels take float32 or bfloat16 activations, not {model.dtype}")
+        if value == Quantization.GGUF and not is_gguf:
+            reasons.append(f"gguf keeps a GGUF file's packed tensors and {model.path} is not one")
+        if value != Quantization.GGUF and is_gguf:
+            reasons.append(f"{model.path} is a GGUF file: --quantization gguf keeps its own "
+                           f"quantization (requantizing it would compound the rounding)")
+        if reasons:
+            raise InvalidRequestError(f"quantization {value} cannot apply: " + "; ".join(reasons),
+                                      "quantization")
 
     def _deterministic(self, model: ModelConfig, backend: str) -> bool:
         """Whether deterministic inference is wanted: `enable_deterministic_inference`, its

@@ -81,7 +81,7 @@ class ModelRunner:
 
             prepare.keep_cpu_allocations()
         torch.manual_seed(args.random_seed)
-        self.model = load_model(mc, device=self.device, tp=tp)
+        self.model = load_model(mc, device=self.device, tp=tp, quantization=args.quantization)
         self.shard = self.model.shard
         self.deterministic = self._deterministic_holds()
         self.weight_arena = None  # keeps the weights' huge-page mapping alive (CPU)

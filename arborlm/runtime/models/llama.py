@@ -39,6 +39,9 @@ from arborlm.runtime.layers.activation import silu_and_mul
 from arborlm.runtime.layers.norm import RMSNorm
 from arborlm.runtime.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
+# The fused linears and the checkpoint linears whose rows they stack, in order.
+STACKED_LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                   "gate_up_proj": ("gate_proj", "up_proj")}
 # Checkpoint tensors that carry no weights of ours (old Llama checkpoints saved this buffer).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -266,10 +269,11 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint tensor name -> (parameter, rows of it that tensor fills, None = all)."""
         s = self.shard
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        stacked = {
-            "qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-            "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
-        }
+        sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+        stacked = {}
+        for fused, parts in STACKED_LINEARS.items():
+            ends = [sum(sizes[p] for p in parts[:i + 1]) for i in range(len(parts))]
+            stacked[fused] = tuple((p, end - sizes[p], end) for p, end in zip(parts, ends))
         targets: dict[str, tuple[nn.Parameter, slice | None]] = {}
         for name, param in self.named_parameters():  # a tied lm_head is listed once, as embed
             module_path, _, leaf = name.rpartition(".")

@@ -33,11 +33,14 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return cls
 
 
-def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = None) -> nn.Module:
+def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = None,
+               quantization: str | None = None) -> nn.Module:
     """Build the model for `config.architecture` on `device` in `config.dtype`, load its
     safetensors or GGUF weights (cast to that dtype as they are copied), and return it in eval
     mode. With `tp`, the model is this rank's shard (each checkpoint tensor is read whole and
-    only this rank's part kept).
+    only this rank's part kept). With `quantization` (`EngineArgs.quantization`, already checked
+    to apply), the decoder's linears are `QuantLinear`s: a GGUF file's packed blocks (`gguf`) or
+    the float weights quantized to that type.
 
     Raises `ModelLoadError` (with the model directory) for missing or unreadable weight files,
     missing, unexpected or misshapen tensors.
@@ -48,7 +51,14 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
     if find_gguf_file(config.path) is not None:
         from arborlm.runtime.models.gguf.tensors import iter_gguf_tensors  # imports gguf
 
-        weights = iter_gguf_tensors(config.path, config.dtype)
+        if quantization == "gguf":
+            from arborlm.runtime.platforms.cpu.quant_linear import PACKED_TYPES
+            from arborlm.runtime.platforms.cpu.quant_loading import keep_packed
+
+            weights = keep_packed(model, iter_gguf_tensors(config.path, config.dtype,
+                                                           PACKED_TYPES), config.dtype)
+        else:
+            weights = iter_gguf_tensors(config.path, config.dtype)
     else:
         weights = iter_checkpoint(config.path, device=str(device))
     try:
@@ -57,4 +67,10 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
         if config.path in str(e):
             raise
         raise ModelLoadError(f"{config.path}: {e}") from e
+    if quantization not in (None, "gguf"):
+        from gguf import GGMLQuantizationType
+
+        from arborlm.runtime.platforms.cpu.quant_loading import quantize_decoder
+
+        quantize_decoder(model, GGMLQuantizationType[quantization.upper()])
     return model.eval()

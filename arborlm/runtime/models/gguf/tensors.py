@@ -8,7 +8,12 @@ into a fresh tensor of `dtype`. llama.cpp's converter interleaves the rows of ea
 rows are put back in Hugging Face's order, so the tensors equal what transformers loads from the
 same file. Qwen2 and Qwen3 files are written unpermuted.
 
-Not here: copying into parameters (the model's `load_weights`), the config (`metadata.py`).
+With `packed_types`, a decoder layer's linear weight (q/k/v/o, gate/up/down) of one of those types
+is not decoded: it comes as `PackedRows`, the file's blocks (rows in Hugging Face's order) for
+`QuantLinear` to compute from.
+
+Not here: copying into parameters (the model's `load_weights`), the config (`metadata.py`),
+building `QuantLinear`s (`platforms/cpu/quant_loading.py`).
 A tensor of an unsupported type raises `ModelLoadError` naming the tensor and the type before
 anything is decoded.
 """
@@ -17,9 +22,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
 from arborlm.errors import ModelLoadError
 from arborlm.runtime.models.gguf.dequant import SUPPORTED_TYPES, dequantize_into
@@ -44,10 +51,32 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_LINEAR_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                           "ffn_down"})
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PERMUTED_QK = re.compile(r"^blk\.\d+\.attn_([qk])\.")
 _CONSUMED_BY_CONFIG = frozenset({"rope_freqs.weight"})  # read by metadata.py
 _PERMUTED_ARCHS = frozenset({"llama"})  # convert_hf_to_gguf.py's LlamaModel.permute
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A linear weight `[out, in]` as GGUF blocks: `blocks` `[out, row bytes]` uint8 of `qtype`."""
+
+    blocks: torch.Tensor
+    qtype: GGMLQuantizationType
+    in_features: int
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight `[out, in]` decoded into a fresh tensor of `dtype`."""
+        out = torch.empty(self.blocks.shape[0], self.in_features, dtype=dtype)
+        dequantize_into(self.blocks.numpy(), self.qtype, out)
+        return out
+
+
+def _is_linear(gguf_name: str) -> bool:
+    match = _LAYER_TENSOR.match(gguf_name)
+    return match is not None and match.group(2) in _LINEAR_KINDS and match.group(3) == "weight"
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -71,9 +100,11 @@ def unpermute_rows(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
     return split.transpose(1, 2).reshape(tensor.shape).contiguous()
 
 
-def iter_gguf_tensors(file: str | os.PathLike,
-                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(Hugging Face name, tensor in dtype)` for every weight tensor of GGUF `file`."""
+def iter_gguf_tensors(file: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                      packed_types: Collection[GGMLQuantizationType] = frozenset()
+                      ) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
+    """Yield `(Hugging Face name, tensor in dtype)` for every weight tensor of GGUF `file`; a
+    decoder linear's weight of a type in `packed_types` comes as its `PackedRows` instead."""
     reader = open_gguf(file)
     arch = gguf_architecture(reader, file)
     wanted = []
@@ -92,9 +123,13 @@ def iter_gguf_tensors(file: str | os.PathLike,
     n_kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", n_heads))
     for name, t in wanted:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF: fastest dim first
-        out = torch.empty(shape, dtype=dtype)
-        dequantize_into(t.data, t.tensor_type, out.view(-1, shape[-1]))
+        keep = t.tensor_type in packed_types and _is_linear(t.name)
+        if keep:  # [out, row bytes] uint8, the mapped file's bytes copied once
+            out = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(shape[0], -1)
+        else:
+            out = torch.empty(shape, dtype=dtype)
+            dequantize_into(t.data, t.tensor_type, out.view(-1, shape[-1]))
         permuted = _PERMUTED_QK.match(t.name)
         if arch in _PERMUTED_ARCHS and permuted:
             out = unpermute_rows(out, n_heads if permuted.group(1) == "q" else n_kv_heads)
-        yield name, out
+        yield name, PackedRows(out, t.tensor_type, shape[-1]) if keep else out

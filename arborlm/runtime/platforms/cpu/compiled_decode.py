@@ -158,6 +158,12 @@ def create_compiled_decode(parts: DecodeParts) -> CompiledDecodeRunner | None:
     if parts.device != "cpu":
         logger.info("torch.compile decode is for CPU; on %s decode runs as before", parts.device)
         return None
+    from arborlm.runtime.platforms.cpu.quant_loading import has_quant_linears
+
+    if has_quant_linears(parts.model):
+        logger.info("torch.compile decode is off: the decoder's linears compute from packed GGUF "
+                    "blocks (--quantization), which it does not compile; decode runs eagerly")
+        return None
     max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
     start = time.perf_counter()
     compiled = CompiledDecodeRunner(parts, max_bs)

@@ -154,6 +154,12 @@ def cascade_inputs(batch: ForwardBatch, ahead: int = 0) -> tuple | None:
             torch.tensor(layout.groups, device=slots.device))
 
 
+def _has_quant_linears(model: nn.Module) -> bool:
+    from arborlm.runtime.platforms.cpu.quant_loading import has_quant_linears
+
+    return has_quant_linears(model)
+
+
 def _panels(linear: nn.Module, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A linear's weight in `cpu_kernels.pack_panels`' layout and its float32 bias, or None
@@ -176,6 +182,10 @@ def create_fused_decode(parts: DecodeParts) -> FusedDecodeStep | None:
     or `torch_compile_max_bs` with `enable_torch_compile` (the sizes a compiled step takes)."""
     args = parts.args
     if args.disable_fused_decode or parts.device != "cpu":
+        return None
+    if _has_quant_linears(parts.model):
+        logger.info("the fused decode step is off: it reads float weights, and the decoder's "
+                    "linears compute from packed GGUF blocks (--quantization)")
         return None
     max_bs = min(args.torch_compile_max_bs, args.max_running_requests) \
         if args.enable_torch_compile else args.max_running_requests

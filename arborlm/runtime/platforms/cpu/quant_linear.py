@@ -7,9 +7,9 @@ AVX512-VNNI int8 dot products where the CPU has them, a portable path otherwise
 `QuantLinear`s by quantizing their weights with the `gguf` package's own quantizers (the 32-value
 types it writes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 
-Not here: loading packed tensors from a GGUF file, the tied embedding, or the decode executors
-(the fused decode step, compiled and CUDA-graph steps read float weights and do not take these
-modules yet).
+Not here: `--quantization` at load (`quant_loading.py`: a GGUF file's packed tensors, a float
+model's decoder), the tied embedding, or the decode executors (the fused decode step, compiled
+and CUDA-graph steps read float weights and decline a model with these modules).
 """
 
 from __future__ import annotations
