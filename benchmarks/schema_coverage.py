@@ -5,7 +5,8 @@ repository) goes to the engine as one greedy request whose prompt shows the sche
 of `tests/real_model/test_json_schemas.py`), on three sides, each an engine of its own, one after
 the other. The prompt shows the schema compactly (no spaces) and at most `--coverage-schema-tokens`
 tokens of it (1,500 by default), cut with a marked truncation: the 500 schemas shown whole hold
-1.37M prompt tokens, most of them in a few huge schemas, which no small model reads usefully.
+1.37M prompt tokens, most of them in a few huge schemas, which no small model reads usefully;
+shown this way they hold 347k (128 of the 500 cut).
 Only the prompt is cut: the grammar (and the guard) enforce the whole schema, and outputs are
 validated against the whole schema.
 
