@@ -278,17 +278,24 @@ def coverage(args) -> None:
             if alone:
                 with engine_alone():
                     results.append(run_side(engine, side, backend, alone_rows,
-                                            args.coverage_max_new_tokens))
+                                            args.coverage_max_new_tokens,
+                                            args.coverage_schema_tokens))
             else:
                 results.append(run_side(engine, side, backend, rows,
-                                        args.coverage_max_new_tokens))
+                                        args.coverage_max_new_tokens,
+                                        args.coverage_schema_tokens))
         finally:
             engine.shutdown()
-        print(f"{side}: done in {results[-1].seconds:.0f} s", flush=True)
+        done = results[-1]
+        print(f"{side}: done in {done.seconds:.0f} s ({done.prompt_tokens} prompt tokens): "
+              + ", ".join(f"{k} {v}" for k, v in zip(HEADER[1:], done.row()[1:])), flush=True)
+        for sid, why, text in done.invalid:
+            print(f"  invalid ({side}) {sid}: {why}\n    {text!r}", flush=True)
     skipped = results[0].too_long
     print(f"\ncoverage: the first {len(rows)} JSONSchemaBench dev schemas (the engine-alone "
           f"sides: the first {len(alone_rows)}), greedy, at most {args.coverage_max_new_tokens} "
-          f"new tokens ({skipped} prompts too long for the context are not counted), load "
+          f"new tokens, schemas shown compactly up to {args.coverage_schema_tokens} tokens "
+          f"({skipped} prompts too long for the context are not counted), load "
           f"average {os.getloadavg()[0]:.1f}")
     print(table([c.row() for c in results], HEADER))
     for c in results:
@@ -318,6 +325,9 @@ def main() -> None:
     ap.add_argument("--coverage-schemas", type=int, default=500,
                     help="JSONSchemaBench schemas for the coverage table (0: skip it)")
     ap.add_argument("--coverage-max-new-tokens", type=int, default=512)
+    ap.add_argument("--coverage-schema-tokens", type=int, default=1500,
+                    help="tokens of each schema shown in its prompt (longer ones are cut, "
+                         "marked; the grammar still enforces the whole schema)")
     ap.add_argument("--coverage-alone-schemas", type=int, default=None,
                     help="schemas for the engine-alone sides (default: --coverage-schemas)")
     ap.add_argument("--overhead-schemas", type=int, default=48)

@@ -1,9 +1,14 @@
 """JSON-schema coverage on a real model: schemas accepted, outputs finished, outputs valid.
 
 Every schema of JSONSchemaBench's dev sample (`shared/data/jsonschemabench-dev.jsonl` beside the
-repository) goes to the engine as one greedy request whose prompt shows the schema (the prompt of
-`tests/real_model/test_json_schemas.py`), on three sides, each an engine of its own, one after
-the other:
+repository) goes to the engine as one greedy request whose prompt shows the schema (the user turn
+of `tests/real_model/test_json_schemas.py`), on three sides, each an engine of its own, one after
+the other. The prompt shows the schema compactly (no spaces) and at most `--coverage-schema-tokens`
+tokens of it (1,500 by default), cut with a marked truncation: the 500 schemas shown whole hold
+1.37M prompt tokens, most of them in a few huge schemas, which no small model reads usefully;
+shown this way they hold 347k (128 of the 500 cut).
+Only the prompt is cut: the grammar (and the guard) enforce the whole schema, and outputs are
+validated against the whole schema.
 
 - `xgrammar alone`: xgrammar compiles the schema as given: no ArborLM checks, rewrites or guard
   (what xgrammar does by itself, keywords it cannot express dropped without a word);
@@ -21,7 +26,7 @@ Then the guard's overhead on schemas that need none: the schemas ArborLM compile
 guard plan, a sample of `--overhead-schemas`, run by ArborLM and by xgrammar alone alternately
 (`--repeats` pairs, engines kept alive), output tokens/s each and the median ratio.
 
-    python benchmarks/constrained.py --coverage-schemas 500 [--max-new-tokens 512]
+    python benchmarks/constrained.py --coverage-max-new-tokens 256 --coverage-alone-schemas 100
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench-dev.jsonl"
 CHUNK = 64  # requests submitted at once
+SCHEMA_TOKENS = 1500  # of the schema shown in a prompt (the rest is cut, marked)
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Coverage:
     valid: int = 0
     aborted: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
     seconds: float = 0.0
     invalid: list[tuple[str, str, str]] = field(default_factory=list)
 
@@ -117,15 +124,29 @@ async def _generate_all(engine: Any, prompts: list[list[int]], schemas: list[dic
     return outs
 
 
-def run_side(engine: Any, side: str, backend: str, rows: list[tuple[str, dict]],
-             max_new_tokens: int) -> Coverage:
-    from tests.real_model.test_json_schemas import schema_prompt
+def coverage_prompt(tokenizer: Any, schema: dict, schema_tokens: int = SCHEMA_TOKENS
+                    ) -> list[int]:
+    """The prompt's token ids: one user turn showing the schema compactly, its first
+    `schema_tokens` tokens at most, a cut marked as such, in the model's chat template."""
+    shown = json.dumps(schema, separators=(",", ":"))
+    ids = tokenizer.encode(shown, add_special_tokens=False)
+    if len(ids) > schema_tokens:
+        shown = (tokenizer.decode(ids[:schema_tokens]) + f" ... [schema cut: {schema_tokens} of "
+                 f"{len(ids)} tokens shown]")
+    messages = [{"role": "user", "content": "Write a JSON object that matches this JSON schema. "
+                 "Reply with the JSON only.\n" + shown}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
-    prompts = [schema_prompt(engine.tokenizer, schema) for _, schema in rows]
+
+def run_side(engine: Any, side: str, backend: str, rows: list[tuple[str, dict]],
+             max_new_tokens: int, schema_tokens: int = SCHEMA_TOKENS) -> Coverage:
+    prompts = [coverage_prompt(engine.tokenizer, schema, schema_tokens) for _, schema in rows]
     start = time.perf_counter()
     outs = asyncio.run(_generate_all(engine, prompts, [s for _, s in rows], backend,
                                      max_new_tokens))
-    cov = Coverage(side, schemas=len(rows), seconds=time.perf_counter() - start)
+    cov = Coverage(side, schemas=len(rows), seconds=time.perf_counter() - start,
+                   prompt_tokens=sum(map(len, prompts)))
     for (sid, schema), out in zip(rows, outs):
         if isinstance(out, Exception):
             param = getattr(out, "param", None)

@@ -120,6 +120,35 @@ class GrammarMatcher(abc.ABC):
         """
         return None
 
+    # --- rollback to a value's start (only a semantic guard rejects values) -----------------
+
+    exhausted = False  # the bans at this position left no token (`fill_bitmask` sets it)
+
+    def rejected_value_start(self) -> int | None:
+        """After `check_token` gave a reason: the output position of the first token of the
+        value that closed wrong, or None (no guard, or a string that merely grew too long)."""
+        return None
+
+    def held_from(self) -> int | None:
+        """The output position from which tokens may still be rejected as part of an open
+        value (they must not be shown yet), or None."""
+        return None
+
+    def choice_after(self, start: int) -> int | None:
+        """The first position at or after `start` where the mask left more than one token."""
+        return None
+
+    def choice_before(self, end: int) -> int | None:
+        """The last position before `end` where the mask left more than one token."""
+        return None
+
+    def ban_at(self, position: int, token_id: int) -> None:
+        """Ban `token_id` at output position `position` until a rollback goes before it."""
+        raise NotImplementedError(f"{type(self).__name__} has no semantic guard to ban with")
+
+    def bans_at(self, position: int) -> int:
+        return 0
+
     def find_jump_forward_tokens(self, max_tokens: int = MAX_JUMP_FORWARD_TOKENS) -> list[int]:
         """The tokens the grammar forces from here, one at a time; state unchanged.
 

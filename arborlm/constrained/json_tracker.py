@@ -85,6 +85,17 @@ class JsonTracker:
         del self.text[length:]
         self._stack = [list(f) for f in stack]
 
+    def open_values(self) -> list[tuple[int, Any, list[Any] | None]]:
+        """The values open now, outermost first: (start offset, site, enclosing frame or None)."""
+        out: list[tuple[int, Any, list[Any] | None]] = []
+        parent = None
+        for frame in self._stack:
+            out.append((frame[_START], frame[_SITE], parent))
+            parent = frame
+        if self._mode == _SCALAR or (self._mode == _STRING and not self._str_key):
+            out.append((self._start, self._site, parent))
+        return out
+
     def clone(self) -> JsonTracker:
         twin = JsonTracker(self._root_site, self._resolve)
         twin.text = bytearray(self.text)

@@ -40,12 +40,17 @@ class Site:
     """What applies to the values at one place of the instance: the definite schema nodes
     (pointer, node), the ones to validate at close, and the prefix / item checks."""
 
-    __slots__ = ("schemas", "validate", "max_length", "unique", "prefix_len")
+    __slots__ = ("schemas", "validate", "max_length", "unique", "prefix_len", "held")
 
     def __init__(self, schemas: list[tuple[str, Any]], validate: list[tuple[str, Any]],
-                 max_length: tuple[int, str] | None, unique: str | None, prefix_len: int):
+                 max_length: tuple[int, str] | None, unique: str | None, prefix_len: int,
+                 held: bool = False):
         self.schemas = schemas
         self.validate = validate
+        # Whether the check at close can reject what the checks of the values inside did not
+        # (a dropped keyword here, or below an indefinite branch): the value's text is then
+        # held back from the client until it closes.
+        self.held = held
         self.max_length = max_length  # (bound, schema pointer of the keyword)
         self.unique = unique  # schema pointer of the uniqueItems keyword
         self.prefix_len = prefix_len
@@ -68,6 +73,7 @@ class GuardPlan:
         for problem in problems:
             self._keywords.setdefault(id(problem.node), set()).add(problem.keyword)
         self._needs = _ancestors(schema, set(self._keywords))
+        self._held = _held(schema, set(self._keywords), self._needs)
         formats = [p.node.get("format") for p in problems if p.keyword == "format"]
         from jsonschema import Draft202012Validator
 
@@ -96,22 +102,40 @@ class GuardPlan:
 
     def check(self, events: list[Close | Grow], text: bytearray) -> str | None:
         """The first violation the events reveal, or None."""
+        found = self.violation(events, text)
+        return None if found is None else found[0]
+
+    def violation(self, events: list[Close | Grow], text: bytearray
+                  ) -> tuple[str, Close | Grow] | None:
+        """The first violation the events reveal and the event that revealed it (a `Close`:
+        that value is wrong as a whole; a `Grow`: that string is already too long), or None."""
         for event in events:
             site = event.site
             if isinstance(event, Grow):
                 if site.max_length is not None and event.length > site.max_length[0]:
                     return (f"value at {pointer(event.path) or '/'} violates maxLength (schema "
-                            f"{site.max_length[1]})")
+                            f"{site.max_length[1]})"), event
                 continue
             parent = event.parent
             if parent is not None and parent[3].unique is not None and parent[0] == 1:
                 reason = _duplicate(text, parent, event)
                 if reason:
-                    return reason
+                    return reason, event
             if site.validate:
                 reason = self._validate(site, event, text)
                 if reason:
-                    return reason
+                    return reason, event
+        return None
+
+    @staticmethod
+    def checked_start(tracker: JsonTracker) -> int | None:
+        """The start offset of the outermost open value that is checked when it closes (its
+        site validates, or it is an item of a `uniqueItems` array), or None: text from there
+        on may still be rejected as a whole."""
+        for start, site, parent in tracker.open_values():
+            if site.held or (parent is not None and parent[0] == 1
+                             and parent[3].unique is not None):
+                return start
         return None
 
     def _validate(self, site: Site, event: Close, text: bytearray) -> str | None:
@@ -157,7 +181,8 @@ class GuardPlan:
             if isinstance(node, dict) and id(node) in self._needs and id(node) not in covered:
                 validate.append((ptr, node))
                 covered |= {id(n) for _, n in _expand([(ptr, node)], self.schema)}
-        return Site(schemas, validate, max_length, unique, prefix_len)
+        held = any(id(node) in self._held for _, node in validate)
+        return Site(schemas, validate, max_length, unique, prefix_len, held)
 
 
 def _expand(entries: list[tuple[str, Any]], root: Any) -> list[tuple[str, Any]]:
@@ -252,6 +277,45 @@ def _ancestors(root: Any, flagged: set[int]) -> set[int]:
                 needs.add(parent)
                 stack.append(parent)
     return needs
+
+
+# Subschema places that apply to the members of a value (each member's own site checks them).
+_MEMBER_KEYS = frozenset(("properties", "prefixItems", "items", "additionalItems",
+                          "additionalProperties"))
+
+
+def _held(root: Any, flagged: set[int], needs: set[int]) -> set[int]:
+    """Ids of the nodes whose check at close can fail where the checks of the members did
+    not: a node with a dropped keyword, one that applies a node in `needs` through an
+    indefinite place (a branch of a several-branch `anyOf`/`oneOf`, `not`, `if`, ...,
+    `patternProperties`), or one that brings a held node in place (`$ref`, `allOf`, a
+    one-branch `anyOf`/`oneOf`)."""
+    edges: list[tuple[int, list[int], list[int]]] = []  # node, in place, indefinite
+    for node in iter_schema_nodes(root):
+        same, loose = [], []
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            same.append(id(lookup_ref(root, ref)))
+        for rel, child in subschemas(node):
+            key = rel.split("/", 1)[0]
+            if not isinstance(child, dict):
+                continue
+            if key == "allOf" or (key in ("anyOf", "oneOf") and len(node[key]) == 1):
+                same.append(id(child))
+            elif key not in _MEMBER_KEYS or (key == "additionalProperties"
+                                             and "patternProperties" in node):
+                loose.append(id(child))
+        edges.append((id(node), same, loose))
+    held = set(flagged)
+    changed = True
+    while changed:
+        changed = False
+        for node, same, loose in edges:
+            if node not in held and (any(c in held for c in same)
+                                     or any(c in needs for c in loose)):
+                held.add(node)
+                changed = True
+    return held
 
 
 def _duplicate(text: bytearray, array: list[Any], item: Close) -> str | None:

@@ -54,7 +54,7 @@ class Req:
         "finished_reason", "cached_tokens", "arrival_time", "seed", "priority",
         "is_chunked", "retractions", "wait_steps", "grammar", "stream", "emitted_ids",
         "stop_checker", "first_token_time", "jump_forward_steps", "input_logprobs_done",
-        "input_logprobs_sent", "spec",
+        "input_logprobs_sent", "spec", "rewind_to",
     )
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams, *,
@@ -100,6 +100,7 @@ class Req:
         self.input_logprobs_done = False  # input logprobs computed (never recomputed)
         self.input_logprobs_sent = False
         self.spec: Any = None  # speculative decoding's state (`speculative.speculator`)
+        self.rewind_to: int | None = None  # the output length a guard rollback asked for
 
     # --- lengths -------------------------------------------------------------------------
 
@@ -139,6 +140,20 @@ class Req:
     def check_lengths(self) -> None:
         assert 0 <= self.cached_len <= self.computed_len <= self.total_len, (
             self.cached_len, self.computed_len, self.total_len)
+
+    def drop_output(self, n: int) -> None:
+        """Forget the newest `n` output tokens (none of them reported yet): their ids, logprob
+        entries, grammar state and stop-string state. KV is the caller's (`KVSlots.rewind`)."""
+        keep = len(self.output_ids) - n
+        assert 0 < n and keep >= self.emitted_ids, (n, len(self.output_ids), self.emitted_ids)
+        del self.output_ids[keep:]
+        for entries in (self.output_token_logprobs, self.output_top_logprobs,
+                        self.output_token_ids_logprobs):
+            del entries[keep:]
+        if self.grammar is not None:
+            self.grammar.rollback(n)
+        if self.stop_checker is not None:
+            self.stop_checker.restart(self.output_ids)
 
     def reset_for_retract(self) -> None:
         """Back to the waiting queue: KV is released by the caller; outputs are kept."""

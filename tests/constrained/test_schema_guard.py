@@ -244,3 +244,66 @@ def test_both_backends_guard_alike(backend: GrammarBackend) -> None:
     if backend.name == "outlines":
         reason = _walk(_matcher(backend, schema), backend, '{"n": 3, "t": []}')
         assert reason == "value at /n violates minimum (schema #/properties/n/minimum)"
+
+
+def _fill_and_accept(matcher: GrammarMatcher, backend: GrammarBackend, text: str) -> None:
+    """Accept the tokens of `text` as the decode loop does: the mask filled before each."""
+    from arborlm.constrained.bitmask import allocate_token_bitmask
+
+    mask = allocate_token_bitmask(1, matcher.vocab_size)
+    for token in _tokens(backend, text):
+        matcher.fill_bitmask(mask, 0)
+        assert matcher.check_token(token) is None, text
+        assert matcher.accept_token(token), (text, backend.vocab.decoded[token])
+
+
+def _allowed(matcher: GrammarMatcher, token: int) -> bool:
+    from arborlm.constrained.bitmask import allocate_token_bitmask
+
+    mask = allocate_token_bitmask(1, matcher.vocab_size)
+    matcher.fill_bitmask(mask, 0)
+    return bool((int(mask[0, token >> 5]) >> (token & 31)) & 1)
+
+
+def test_rollback_to_a_value_start_and_its_ban(xgrammar: GrammarBackend) -> None:
+    """What the decode loop's rollback uses: the rejected value's first position, the choices,
+    a ban cleared from the mask at its position only, bans dropped by a rollback before them,
+    and the position from which text is held back (the checked array, not the name)."""
+    schema = {"type": "object", "properties": {
+        "name": STR, "nums": {"type": "array", "items": INT, "uniqueItems": True}},
+        "required": ["name", "nums"]}
+    matcher = _matcher(xgrammar, schema)
+    prefix = '{"name": "ab", "nums": ['
+    _fill_and_accept(matcher, xgrammar, '{"name": "ab"')
+    assert matcher.held_from() is None  # nothing checked is open: the name streams
+    _fill_and_accept(matcher, xgrammar, prefix[len('{"name": "ab"'):] + "7, ")
+    starts = [state[0] for state in matcher._history]  # text offset of each token
+    array_at = max(i for i, start in enumerate(starts) if start <= len(prefix) - 1)  # its [
+    assert matcher.held_from() == array_at
+    item = len(matcher._history)
+    _fill_and_accept(matcher, xgrammar, "7")
+    comma = _tokens(xgrammar, ",")[0]
+    reason = matcher.check_token(comma)
+    assert reason is not None and "uniqueItems" in reason
+    assert matcher.rejected_value_start() == item
+    assert matcher.choice_after(item) == item  # a digit: there was a choice
+    assert matcher.choice_before(item) is not None and matcher.choice_before(item) < item
+    seven = _tokens(xgrammar, "7")[0]
+    matcher.ban_at(item, seven)
+    matcher.rollback(len(matcher._history) - item)
+    assert not _allowed(matcher, seven) and _allowed(matcher, _tokens(xgrammar, "8")[0])
+    assert matcher.bans_at(item) == 1 and not matcher.exhausted
+    before = bytes(matcher._tracker.text[matcher._history[item - 1][0]:]).decode()
+    matcher.rollback(1)  # before the ban's position: the ban is gone
+    assert matcher.bans_at(item) == 0
+    _fill_and_accept(matcher, xgrammar, before + "7")
+    assert matcher.check_token(comma) is not None  # no ban now: the duplicate comes back
+
+
+def test_a_root_value_with_a_dropped_keyword_is_held_from_the_start(
+        xgrammar: GrammarBackend) -> None:
+    matcher = _matcher(xgrammar, {"type": "integer", "not": {"const": 12}})
+    _fill_and_accept(matcher, xgrammar, "1")
+    assert matcher.held_from() == 0
+    _fill_and_accept(matcher, xgrammar, "2")
+    assert "not" in matcher.check_token(EOS) and matcher.rejected_value_start() == 0

@@ -42,6 +42,12 @@ class FakeMatcher:
         return f"#/items/{token}: not allowed (uniqueItems at #/uniqueItems)" \
             if token in self.rejected else None
 
+    def rejected_value_start(self) -> int | None:
+        return None  # the rejected token holds the whole value: banned where it is
+
+    def choice_before(self, end: int) -> int | None:
+        return None  # no earlier choice: a position's dead end is the request's
+
 
 def processor() -> ResultProcessor:
     hook = GrammarManager.__new__(GrammarManager)

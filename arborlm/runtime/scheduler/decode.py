@@ -120,6 +120,7 @@ class DecodeScheduler:
         jumped = batch.mode is ForwardMode.EXTEND  # forced tokens computed without steps
         for req, ext in zip(batch.reqs, batch.extend_lens):
             req.computed_len += ext
+            self.kv.apply_rewind(req)
             if jumped:
                 req.jump_forward_steps += ext - 1
             self._settle(req, share)

@@ -24,11 +24,18 @@ grammar` is (kind, spec)):
 4. The semantic guard (what a mask cannot express: `not`, `uniqueItems`, overlapping `oneOf`,
    string lengths, ...): `check(req, token)` asks the matcher whether accepting a sampled or
    forced token would close a JSON value that violates its subschema (`GrammarMatcher.
-   check_token`, state unchanged) and returns the reason. The result processor then bans that
-   token for this step and samples the request's row again (`ban` counts the bans: at most
-   `MAX_GUARD_BANS_PER_STEP` at one position and `MAX_GUARD_BANS_PER_REQUEST` in all); when
-   the bans run out, or the mask minus the bans leaves no token, `dead_end` finishes that
-   request alone with `abort` (status 400) and a message naming the reason.
+   check_token`, state unchanged) and returns the reason. A value that closed wrong is rolled
+   back (`rewind_to_value`): the request goes back to the first position inside the value
+   where the mask left a choice, the token taken there is banned at that position (the matcher
+   clears it from the mask while the request stands there), and the scheduler drops the tokens
+   after it with their KV once the step is done (`req.rewind_to`, `KVSlots.rewind`); a
+   different value must then come. A string that only grew too long (or a value whose every
+   token was forced) has its token banned for this step instead and the row sampled again.
+   When a position's bans leave nothing, the request goes back to the last earlier choice
+   (`back_off`). `ban` counts every ban: at most `MAX_GUARD_BANS_PER_STEP` at one position and
+   `MAX_GUARD_BANS_PER_REQUEST` in all; past them, or with no earlier choice left that was not
+   yet reported to the client, `dead_end` finishes that request alone with `abort` (status 400)
+   and a message naming the reason.
 5. Jump-forward: `jump_forward(req, limit)` lists the tokens the grammar forces next. The result
    processor appends them (logprob 0.0: each is the only token the mask leaves) without masking
    or sampling them, and the scheduler computes their KV: in one extend step when the batch
@@ -81,6 +88,7 @@ class GrammarManager:
         self._active = 0  # requests holding a matcher
         self._bans: dict[Req, int] = {}  # guard bans so far, per request that had any
         self.guard_bans = 0  # in all, since start
+        self.rollbacks = 0  # of them, those that rolled a request back (since start)
         self._bitmask = allocate_token_bitmask(1, vocab_size)  # [rows, W], grown on demand
 
     # --- compiling ----------------------------------------------------------------------------
@@ -167,13 +175,20 @@ class GrammarManager:
         if self._bitmask.shape[0] < len(reqs):
             self._bitmask = allocate_token_bitmask(len(reqs), self.vocab_size)
         mask = self._bitmask[:len(reqs)]  # [B, W]; rows without a grammar are not read
-        filled = []
+        filled, stuck = [], []
         for i in rows:
             with per_request(reqs[i], "grammar mask"):
                 reqs[i].grammar.fill_bitmask(mask, i)
                 filled.append(i)
+                if reqs[i].grammar.exhausted:  # its bans left nothing here: go back further
+                    self.back_off(reqs[i], "the guard's bans leave no token at output "
+                                  f"position {len(reqs[i].output_ids)}",
+                                  len(reqs[i].output_ids))
+                    stuck.append(i)
         if filled:
             apply_token_bitmask_(logits, mask, filled)
+        for i in stuck:  # not sampled for real (finished or rewound): keep its row finite
+            logits[i, 0] = 0.0
 
     def accept(self, req: Req, token: int) -> bool:
         """Advance `req`'s matcher on `token`.
@@ -213,6 +228,41 @@ class GrammarManager:
         self.guard_bans += 1
         return True
 
+    def rewind_to_value(self, req: Req, reason: str) -> bool:
+        """After `check` rejected a token of `req` for `reason`: roll back to the first choice
+        inside the value that closed wrong, or finish `req` at a dead end; False (nothing
+        done) when that value has no choice before the rejected token (the token is then
+        banned at this position, as for a string grown too long)."""
+        start = req.grammar.rejected_value_start()
+        if start is None or start >= len(req.output_ids):
+            return False
+        position = req.grammar.choice_after(start)
+        if position is None:
+            return False
+        self._rewind(req, reason, position)
+        return True
+
+    def back_off(self, req: Req, reason: str, end: int,
+                 what: str = "no earlier choice is left to change") -> None:
+        """Nothing is left to take at output position `end` (`what` says why): roll `req`
+        back to the last choice before it and ban what it took there, or finish it at a dead
+        end."""
+        position = req.grammar.choice_before(end)
+        if position is None:
+            self.dead_end(req, reason, what)
+        else:
+            self._rewind(req, reason, position)
+
+    def _rewind(self, req: Req, reason: str, position: int) -> None:
+        if position < req.emitted_ids:
+            self.dead_end(req, reason, "the value's choices were already sent")
+        elif not self.ban(req, req.grammar.bans_at(position) + 1):
+            self.dead_end(req, reason, "the guard's retries ran out")
+        else:
+            req.grammar.ban_at(position, req.output_ids[position])
+            req.rewind_to = position
+            self.rollbacks += 1
+
     def dead_end(self, req: Req, reason: str, what: str) -> None:
         """Finish `req` alone: the guard rejected its token (`reason`) and `what` is left."""
         kind = req.sampling_params.grammar[0]
@@ -234,5 +284,6 @@ class GrammarManager:
         stats = self.compiler.stats
         return {"grammar_compiling": len(self._pending), "grammar_active": self._active,
                 "grammar_guard_bans": self.guard_bans,
+                "grammar_guard_rollbacks": self.rollbacks,
                 "grammar_cache_hits": stats.hits, "grammar_cache_misses": stats.misses,
                 "grammar_errors": stats.errors, "grammar_timeouts": stats.timeouts}

@@ -2,8 +2,10 @@
 
 `ReqOutput` carries only what is new since the last report for that request (new token ids and
 their logprob entries); input logprobs come once, with the first report after the prompt has
-been prefilled. Logprob entries are `(logprob, token_id)` pairs; the text is added on the
-detokenizing side when asked for.
+been prefilled. Tokens a semantic guard may still roll back (those of an open value it checks
+when the value closes, `GrammarMatcher.held_from`) are held back until that value validates or
+the request finishes, so a client never sees text that is taken back. Logprob entries are
+`(logprob, token_id)` pairs; the text is added on the detokenizing side when asked for.
 """
 
 from __future__ import annotations
@@ -39,14 +41,18 @@ class ReqOutput:
 
 def make_output(req: Req) -> ReqOutput:
     """Report for `req`: what was added since `req.emitted_ids`; advances that counter."""
-    start = req.emitted_ids
-    new_ids = req.output_ids[start:]
+    start, end = req.emitted_ids, len(req.output_ids)
+    if req.grammar is not None and not req.finished:
+        held = req.grammar.held_from()
+        if held is not None:
+            end = max(start, min(end, held))
+    new_ids = req.output_ids[start:end]
     out = ReqOutput(
         rid=req.rid,
         new_token_ids=new_ids,
         finished_reason=req.finished_reason.to_json() if req.finished_reason else None,
         prompt_tokens=req.prompt_len,
-        completion_tokens=len(req.output_ids),
+        completion_tokens=end,
         cached_tokens=req.cached_tokens,
         jump_forward_steps=req.jump_forward_steps,
     )
@@ -54,18 +60,18 @@ def make_output(req: Req) -> ReqOutput:
         out.spec_verify_ct = req.spec.stats["verify_ct"]
         out.spec_accepted_tokens = req.spec.stats["accepted"]
     if req.return_logprob:
-        out.output_token_logprobs = req.output_token_logprobs[start:]
+        out.output_token_logprobs = req.output_token_logprobs[start:end]
         if req.top_logprobs_num:
-            out.output_top_logprobs = req.output_top_logprobs[start:]
+            out.output_top_logprobs = req.output_top_logprobs[start:end]
         if req.token_ids_logprob:
-            out.output_token_ids_logprobs = req.output_token_ids_logprobs[start:]
+            out.output_token_ids_logprobs = req.output_token_ids_logprobs[start:end]
         if req.input_logprobs_done and not req.input_logprobs_sent and req.wants_input_logprobs:
             req.input_logprobs_sent = True
             out.input_token_logprobs = req.input_token_logprobs
             out.input_top_logprobs = req.input_top_logprobs if req.top_logprobs_num else []
             out.input_token_ids_logprobs = (req.input_token_ids_logprobs
                                             if req.token_ids_logprob else [])
-    req.emitted_ids = len(req.output_ids)
+    req.emitted_ids = end
     return out
 
 

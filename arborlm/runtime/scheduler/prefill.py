@@ -102,6 +102,7 @@ class PrefillScheduler:
         joining = []
         for req, ext in zip(batch.reqs, batch.extend_lens):
             req.computed_len += ext
+            self.kv.apply_rewind(req)
             req.check_lengths()
             if req.is_chunked:
                 self.cache.cache_unfinished_req(req)

@@ -7,15 +7,19 @@ stop regex, length, context limit, grammar end). For a request with a grammar, t
 tokens the grammar forces next (jump-forward), each checked like a sampled one. Grammar state
 is `grammar_hook`'s (the scheduler's `GrammarManager`); this module only calls it.
 
-The semantic guard: a sampled token that the grammar's guard rejects (it would close a JSON value
-that violates its subschema) is banned for this step and the request's row is sampled again from
-the same processed, masked logits minus the banned tokens, with the same sampling parameters and
-the same seed and position, so seeded sampling stays deterministic. When the guard's bans run
-out, or nothing is left, the request alone finishes with `abort`; a forced (jump-forward) token
-the guard rejects is such a dead end too. The logprobs of a resampled token (and its top / ids
-logprobs) are the log-softmax of that final row: penalties, bias, bans, the grammar mask and the
-guard's bans applied (banned tokens -inf, the rest renormalized), before temperature and
-truncation, like every constrained token's.
+The semantic guard: a sampled or forced token that the grammar's guard rejects because it closes
+a JSON value that violates its subschema rolls the request back to that value's first choice,
+banned there (`GrammarManager.rewind_to_value`): the request takes no token this step and the
+scheduler drops the value's tokens once the step is done (`req.rewind_to`). A token rejected
+otherwise (a string grown too long, a value with no choice before it) is banned for this step
+and the request's row is sampled again from the same processed, masked logits minus the banned
+tokens, with the same sampling parameters and the same seed and position, so seeded sampling
+stays deterministic. When the bans at a position run out, or nothing is left, the request goes
+back to an earlier choice (`back_off`), and finishes alone with `abort` when there is none or
+its retries are spent. The logprobs of a resampled token (and its top / ids logprobs) are the
+log-softmax of that final row: penalties, bias, bans, the grammar mask and the guard's bans
+applied (banned tokens -inf, the rest renormalized), before temperature and truncation, like
+every constrained token's.
 """
 
 from __future__ import annotations
@@ -169,6 +173,8 @@ class ResultProcessor:
         for i, (req, tok) in enumerate(zip(reqs, ids)):
             if req.finished:
                 continue  # its grammar mask or guard ended it (`GrammarManager`)
+            if req.rewind_to is not None:
+                continue  # its guard rolled it back: no token this step
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.grammar is not None:
@@ -191,19 +197,24 @@ class ResultProcessor:
                out: SampleOutput) -> int:
         """The token `req` takes at `row`: `tok` if its guard accepts it, else one sampled
         again with every rejected token banned (`logits[row]` set to -inf there, and
-        `out.logprobs[row]` recomputed from it). At a dead end `req` is finished instead (the
-        returned token is then unused)."""
+        `out.logprobs[row]` recomputed from it). When `req` is rolled back instead, or
+        finished at a dead end, the returned token is unused."""
         grammar = self.grammar_hook
+        if req.rewind_to is not None:
+            return tok  # its mask left nothing: already rolled back (`apply_mask`)
         reason = grammar.check(req, tok)
+        if reason is not None and grammar.rewind_to_value(req, reason):
+            return tok
         bans = 0
         while reason is not None:
             bans += 1
             if not grammar.ban(req, bans):
-                grammar.dead_end(req, reason, "the guard's retries ran out")
+                grammar.back_off(req, reason, len(req.output_ids), "the guard's retries ran out")
                 return tok
             logits[row, tok] = float("-inf")
             if not bool((logits[row] > float("-inf")).any()):
-                grammar.dead_end(req, reason, "the grammar allows no other token")
+                grammar.back_off(req, reason, len(req.output_ids),
+                                 "the grammar allows no other token")
                 return tok
             tok = int(sample(logits[row:row + 1], _row_batch(sb, row)).next_ids[0])
             reason = grammar.check(req, tok)
@@ -254,7 +265,7 @@ class ResultProcessor:
         finish the request, or where it would be banned (a stop token before
         `min_new_tokens`): decoding then samples at that point as usual. The scheduler computes
         their KV and counts the decode steps that saves. A forced token the semantic guard
-        rejects leaves nothing to sample: the request finishes with `abort` there.
+        rejects leaves nothing to sample there: the request goes back as for a sampled one.
         """
         p = req.sampling_params
         limit = min(p.max_new_tokens - len(req.output_ids), self.context_length - req.total_len)
@@ -262,9 +273,10 @@ class ResultProcessor:
             if self._banned(req, tok):
                 return
             reason = self.grammar_hook.check(req, tok)
-            if reason is not None:  # the only token the grammar allows: a dead end
-                self.grammar_hook.dead_end(req, reason, "it is the only token the grammar "
-                                                        "allows")
+            if reason is not None:  # the only token the grammar allows: go back
+                if not self.grammar_hook.rewind_to_value(req, reason):
+                    self.grammar_hook.back_off(req, reason, len(req.output_ids),
+                                               "it is the only token the grammar allows")
                 return
             self.grammar_hook.accept(req, tok)
             req.output_ids.append(tok)

@@ -21,11 +21,19 @@ class StopChecker:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str],
                  stop_regex: list[str], skip_special_tokens: bool,
                  spaces_between_special_tokens: bool):
+        self._args = (tokenizer, prompt_ids, stop, stop_regex, skip_special_tokens,
+                      spaces_between_special_tokens)
         self.detok = IncrementalDetokenizer(
             tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens, stop=stop,
             no_stop_trim=True)
         self.regex = StopRegexScanner(stop_regex) if stop_regex else None
+
+    def restart(self, output_ids: list[int]) -> None:
+        """Start again from the prompt and `output_ids` (after output tokens were dropped)."""
+        self.__init__(*self._args)
+        if output_ids:
+            self.detok.add(output_ids)
 
     def add(self, token_ids: list[int]) -> None:
         """Feed tokens without checking for a match (before `min_new_tokens`)."""
