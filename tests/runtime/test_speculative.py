@@ -10,6 +10,8 @@ pool (`debug_integrity` checks the pool and the radix cache whenever the engine 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -184,6 +186,22 @@ def test_json_schema_equal_plain(make_tiny_model, monkeypatch):
     plain, spec, _ = _plain_and_spec(monkeypatch, path, PROMPTS[:2], params)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert [o["text"] for o in spec] == [o["text"] for o in plain]
+
+
+def test_guard_rollback_inside_a_verify_step_equals_plain(make_tiny_model, monkeypatch):
+    """A uniqueItems array the tiny model fills with duplicates: the semantic guard rolls the
+    value back (`grammar_guard_rollbacks`), with speculation inside a verify step too."""
+    path = str(make_tiny_model("llama"))
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = json.dumps({"type": "array", "items": digit, "minItems": 4, "maxItems": 4,
+                         "uniqueItems": True})
+    params = [dict(GREEDY, max_new_tokens=60, json_schema=schema)] * 4
+    plain, spec, info = _plain_and_spec(monkeypatch, path, PROMPTS[:4], params)
+    assert info["grammar_guard_rollbacks"] > 0, "no duplicate was rolled back: shows nothing"
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    for o in spec:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop"
+        assert len(set(json.loads(o["text"]))) == 4
 
 
 def test_penalties_and_chunked_prefill_equal_plain(make_tiny_model, monkeypatch):

@@ -135,6 +135,7 @@ class DecodeScheduler:
             req.computed_len = p + n
             if n < ext:
                 self.allocator.free(self.req_pool.req_to_token[req.req_pool_idx, p + n:p + ext])
+            self.kv.apply_rewind(req)  # a guard rollback asked for inside the verified run
             self._settle(req, share)
 
     def drop_finished(self) -> list[Req]:
