@@ -70,6 +70,7 @@ def test_bench_sample_compiles_or_fails_cleanly(tokenizer, name: str,
 
 
 ACCEPT_TARGET = 0.98  # of every schema in the file, in strict mode
+RETRY_TIMEOUT_S = 300.0  # for the compiles that timed out on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,20 @@ def strict_results(tokenizer) -> tuple[GrammarBackend,
         error = future.exception(timeout=TIMEOUT_S["xgrammar"] + 60)
         results.append((row, error if error is not None else future.result()))
     compiler.shutdown()
+    # A compile that ran out of time says how busy the machine was, not whether the schema is
+    # accepted: those are compiled again, one at a time, with time to spare.
+    slow = [i for i, (_, r) in enumerate(results)
+            if isinstance(r, GrammarError) and "timed out" in str(r)]
+    if slow:
+        patient = create_grammar_backend("xgrammar", tokenizer, VOCAB, [EOS],
+                                         compile_timeout_s=RETRY_TIMEOUT_S)
+        compiler = GrammarCompiler({"xgrammar": patient}, "xgrammar", max_workers=1)
+        for i in slow:
+            row = results[i][0]
+            future = compiler.submit("json_schema", json.dumps(row["schema"]))
+            error = future.exception(timeout=RETRY_TIMEOUT_S + 60)
+            results[i] = (row, error if error is not None else future.result())
+        compiler.shutdown()
     return backend, results
 
 
