@@ -400,7 +400,7 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
         d = honest(self, tokens, min(k, 2))
         return d[:1] + [bad] + d[1:] if len(d) > 1 and len(tokens) % 3 else d
 
-    fit, verified = grammar_draft.fit_draft, []
+    fit, verified, whole = grammar_draft.fit_draft, [], []
 
     def checked_fit(matcher, draft, position, limit, *, forced_alone):
         before = _mask(matcher)
@@ -415,7 +415,9 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
             walk = req.grammar.copy()  # independent of the rollback under test
             assert all(walk.accept_token(t) for t in d), (d, req.output_ids)
             verified.extend(d)
-        return real_verify(self, batch, logits)
+        computed = real_verify(self, batch, logits)
+        whole.extend(len(d) for d, n in zip(batch.draft_ids, computed) if n == len(d) + 1)
+        return computed
 
     monkeypatch.setattr(ngram.NgramIndex, "draft", adversary)
     monkeypatch.setattr(speculator, "fit_draft", checked_fit)
@@ -426,4 +428,20 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert info["spec_grammar_pruned_tokens"] > 0
     assert info["spec_grammar_forced_tokens"] > 0
-    assert info["spec_accepted_tokens"] > 0
+    # A draft longer than the two n-gram tokens accepted whole: forced tokens after them,
+    # which jump-forward appended during verification, kept their drafted KV and the
+    # verification went on to the bonus token after them.
+    assert max(whole) > 2
+
+
+def test_forced_runs_are_drafts_without_jump_forward(make_tiny_model):
+    """With jump-forward off, a constrained request with nothing to copy drafts the runs its
+    grammar forces; the outputs equal plain decoding's (jump-forward off as well)."""
+    path = str(make_tiny_model("llama"))
+    schema = json.dumps(OBJECT)
+    params = [dict(GREEDY, max_new_tokens=40, json_schema=schema)] * 2
+    engine = {"disable_jump_forward": True, "num_continuous_decode_steps": 1}
+    plain, _ = _run(path, PROMPTS[:2], params, spec=False, engine=engine)
+    spec, info = _run(path, PROMPTS[:2], params, spec=True, engine=engine)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert info["spec_grammar_forced_tokens"] > 0 and info["spec_accepted_tokens"] > 0
