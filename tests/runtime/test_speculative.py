@@ -378,6 +378,23 @@ def test_fit_draft_forced_alone_only_when_asked(tiny_grammars):
     assert cut.tokens == [] and cut.pruned == len(bad)
 
 
+def test_fit_draft_cuts_a_token_the_guard_banned_here(tiny_grammars):
+    """A token banned at the current position (a guard rollback's `ban_at`) is masked there
+    though the grammar alone accepts it: a draft starting with it is cut whole."""
+    from arborlm.runtime.speculative.grammar_draft import fit_draft
+
+    tokenizer, backend = tiny_grammars
+    matcher = backend.compile("json_schema", json.dumps(DIGITS)).matcher()
+    assert matcher.accept_token(tokenizer.encode("[", add_special_tokens=False)[0])
+    draft = tokenizer.encode("1, 2", add_special_tokens=False)
+    assert fit_draft(matcher, draft, 1, 8, forced_alone=False).tokens == draft
+    matcher.ban_at(1, draft[0])
+    before = _mask(matcher)
+    cut = fit_draft(matcher, draft, 1, 8, forced_alone=False)
+    assert cut.tokens == [] and cut.pruned == len(draft)
+    assert torch.equal(_mask(matcher), before)
+
+
 def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
     """An adversarial drafter: the oracle's drafts, at most two tokens (room for forced ones),
     some with an illegal token (the control byte 0x01) spliced in. The grammar
