@@ -209,7 +209,8 @@ class EngineArgs:
     speculative_algorithm: str | None = option(
         "Speculative decoding: NGRAM drafts tokens from n-gram matches in each request's own "
         "prompt and output (prompt lookup) and verifies them in one forward; outputs equal "
-        "plain decoding's. Needs page_size 1. Default: off.", default=None)
+        "plain decoding's. A request's grammar cuts its drafts where it rejects them and "
+        "extends them by the tokens it forces. Needs page_size 1. Default: off.", default=None)
     speculative_num_draft_tokens: int = option(
         "Most draft tokens per request per verify step (each request's draft length adapts "
         "to its acceptance below this).", default=8)

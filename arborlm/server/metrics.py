@@ -40,6 +40,10 @@ SPEC_COUNTERS = (
     ("spec_drafts", "spec_drafts", "Speculative drafts verified (one per request and step)"),
     ("spec_draft_tokens", "spec_draft_tokens", "Speculative draft tokens proposed"),
     ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative draft tokens accepted"),
+    ("spec_grammar_pruned_tokens", "spec_grammar_pruned_tokens",
+     "Speculative draft tokens cut because the request's grammar rejects them"),
+    ("spec_grammar_forced_tokens", "spec_grammar_forced_tokens",
+     "Speculative draft tokens added because the request's grammar forces them"),
 )
 
 

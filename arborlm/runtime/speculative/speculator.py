@@ -17,6 +17,15 @@ even the tokens of a seeded request are those of plain decoding. The last positi
 gives the bonus token; the KV slots of the rejected drafts go back to the pool
 (`DecodeScheduler.after_verify`).
 
+Grammar-aware drafting: a request with a grammar has its draft cut before the first token the
+grammar (or its semantic guard) rejects, and extended by the tokens the grammar forces after
+it (`grammar_draft.fit_draft`, on the request's own matcher, rolled back after the walk), so
+the target never verifies a token the mask would forbid. Forced tokens alone are drafted only
+with jump-forward off (on, it has appended them already). When jump-forward appends a forced
+run after a sampled token during verification, the draft positions equal to it keep their KV
+and verification goes on after them (`spec_grammar_pruned_tokens`, `spec_grammar_forced_tokens`
+count the tokens cut and added).
+
 Adaptive: each request's draft length follows its acceptance (grows by one after a fully
 accepted draft, shrinks to what was accepted plus one otherwise), and a request whose drafts
 keep failing stops drafting for a number of steps that doubles with each failure, so a
@@ -37,7 +46,8 @@ from arborlm.runtime.forward_batch import ForwardMode
 from arborlm.runtime.request import Req
 from arborlm.runtime.scheduler.batch import ScheduledBatch
 from arborlm.runtime.scheduler.kv_slots import KVSlots
-from arborlm.runtime.scheduler.results import ResultProcessor
+from arborlm.runtime.scheduler.results import ResultProcessor, per_request
+from arborlm.runtime.speculative.grammar_draft import fit_draft
 from arborlm.runtime.speculative.ngram import NgramIndex, SharedNgramCache
 
 # After this many failed drafts in a row a request pauses drafting for 2**(failures - 1) decode
@@ -110,7 +120,8 @@ class NgramSpeculator:
         self.shared = SharedNgramCache(max(SHARED_WINDOW, self.min_window),
                                        self.num_draft_tokens, SHARED_CAPACITY)
         for key in ("spec_verifies", "spec_drafts", "spec_draft_tokens",
-                    "spec_accepted_tokens"):
+                    "spec_accepted_tokens", "spec_grammar_pruned_tokens",
+                    "spec_grammar_forced_tokens"):
             stats.setdefault(key, 0)
 
     def info(self) -> dict[str, float]:
@@ -136,10 +147,29 @@ class NgramSpeculator:
             state.pause -= 1
             return []
         p = req.sampling_params
-        k = min(state.draft_len, p.max_new_tokens - len(req.output_ids) - 1,
-                self.context_length - req.total_len - 1)
+        room = min(p.max_new_tokens - len(req.output_ids) - 1,
+                   self.context_length - req.total_len - 1)
+        k = min(state.draft_len, room)
         tokens = req.fill_ids
-        return state.index.draft(tokens, k) or self.shared.draft(tokens, k)
+        draft = state.index.draft(tokens, k) or self.shared.draft(tokens, k)
+        if req.grammar is None:
+            return draft
+        return self._fit_to_grammar(req, draft, min(self.num_draft_tokens, room))
+
+    def _fit_to_grammar(self, req: Req, draft: list[int], limit: int) -> list[int]:
+        """`draft` pruned by `req`'s grammar and extended by its forced tokens, at most `limit`
+        in all (`fit_draft`). Forced tokens alone only when jump-forward is off: on, it has
+        already appended them after the newest token."""
+        hook = self.results.grammar_hook
+        fitted = None
+        with per_request(req, "grammar draft"):
+            fitted = fit_draft(req.grammar, draft, len(req.output_ids), limit,
+                               forced_alone=hook is None or not hook.jump_forward_enabled)
+        if fitted is None:
+            return []  # the matcher failed: the request is finished with the error
+        self.stats["spec_grammar_pruned_tokens"] += fitted.pruned
+        self.stats["spec_grammar_forced_tokens"] += fitted.forced
+        return fitted.tokens
 
     def reset(self) -> None:
         """Forget the server-wide n-gram cache (with the prefix cache: `flush_cache`)."""
@@ -200,19 +230,21 @@ class NgramSpeculator:
         computed = list(batch.extend_lens)
         live = [i for i, r in enumerate(reqs) if not r.finished
                 and batch.prefix_lens[i] + batch.extend_lens[i] >= r.total_len]
-        for j in range(max(batch.extend_lens)):
-            todo = [i for i in live if j < batch.extend_lens[i] and not reqs[i].finished]
-            if not todo:
-                break
-            before = [len(reqs[i].output_ids) for i in todo]
-            rows = torch.tensor([batch.rows[i][2] + j for i in todo], dtype=torch.int64)
-            self.results.sample_next([reqs[i] for i in todo], logits[rows])
-            live = []
+        row = [0] * len(reqs)  # per request: its next row to sample, past its newest token
+        while live:
+            before = [len(reqs[i].output_ids) for i in live]
+            rows = torch.tensor([batch.rows[i][2] + row[i] for i in live], dtype=torch.int64)
+            self.results.sample_next([reqs[i] for i in live], logits[rows])
+            todo, live = live, []
             for i, n in zip(todo, before):
-                req = reqs[i]
-                computed[i] = j + 1
-                if (not req.finished and len(req.output_ids) == n + 1 and j < len(drafts[i])
-                        and req.output_ids[-1] == drafts[i][j]):
+                # What the row appended: the sampled token, then the tokens jump-forward
+                # appended after it (a grammar's forced run). Those equal to the draft from
+                # this row on have their KV here; the newest token never counts.
+                req, new = reqs[i], reqs[i].output_ids[n:]
+                same = _common_prefix(new, drafts[i][row[i]:])
+                computed[i] = row[i] + 1 + max(0, min(same, len(new) - 1))
+                if not req.finished and new and same == len(new):
+                    row[i] += len(new)
                     live.append(i)
         for i, req in enumerate(reqs):
             if drafts[i]:
@@ -232,3 +264,13 @@ class NgramSpeculator:
         state.failures = 0 if accepted else state.failures + 1
         if state.failures >= FAILURES_BEFORE_BACKOFF:
             state.pause = min(MAX_BACKOFF_STEPS, 2 ** (state.failures - FAILURES_BEFORE_BACKOFF))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of `a` and `b`."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
