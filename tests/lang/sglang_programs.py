@@ -27,7 +27,10 @@ frontend keeps only the latest chunk's meta_info (`StreamExecutor._execute_gen` 
 `meta_info[name]` per chunk), so when two chunks arrive while `text_async_iter`'s reader is
 between two wake-ups, one chunk's logprob entries are lost and the program's own check fails —
 about one run in three on the tiny model, whose tokens come about 1 ms apart; SGLang's server
-would meet the same race. The outcome's detail says how many attempts it took. (The server's
+would meet the same race. On a busy machine the reader wakes late so often that every attempt
+could meet it, so that program's stream is also paced (`read_one_chunk_at_a_time`: a chunk is
+handed over once the reader has woken for the previous one). The outcome's detail says how many
+attempts it took. (The server's
 side of it is checked exactly by `test_native_stream_follows_sglang_logprob_semantics`, and
 ArborLM's frontend adds the chunks up, so it has no such race.)
 """
@@ -37,6 +40,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import traceback
 import types
 from typing import Any
@@ -44,6 +48,8 @@ from typing import Any
 PROGRAM_TIMEOUT_S = 180.0
 RACY = {("sglang", "test_stream_logprobs")}
 RACY_ATTEMPTS = 10
+# Longest a racy program's stream waits for SGLang's reader to take the previous chunk.
+HANDSHAKE_WAIT_S = 30.0
 
 
 def _runtime_holder(backend: Any) -> Any:
@@ -106,13 +112,41 @@ def run_one(module: Any, sgl: Any, name: str, kwargs: dict[str, Any],
     return result
 
 
+def read_one_chunk_at_a_time(backend: Any) -> None:
+    """Make `backend.generate_stream` (SGLang's `RuntimeEndpoint`) hand over its next chunk only
+    once the program's reader has woken for the previous one (its stream event cleared). On a
+    busy machine the reader wakes late, often enough that all attempts above met the race; this
+    paces SGLang's client, not the server, whose chunks are checked exactly elsewhere."""
+    stream = backend.generate_stream
+
+    def paced(s: Any, *args: Any, **kwargs: Any) -> Any:
+        for chunk in stream(s, *args, **kwargs):
+            events = list((s.stream_var_event or {}).values())
+            deadline = time.monotonic() + HANDSHAKE_WAIT_S
+            while any(e.is_set() for e in events) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(0.002)  # the reader cleared its event: let it read what it woke for
+            yield chunk
+
+    backend.generate_stream = paced
+
+
 def main(argv: list[str]) -> None:
     mode, target, programs = argv[0], argv[1], json.loads(argv[2])
     module, sgl, special = prepare(mode, target)
     backend = sgl.global_config.default_backend
     for name, kwargs in programs:
         attempts = RACY_ATTEMPTS if (mode, name) in RACY else 1
-        result = run_one(module, sgl, name, kwargs, special.get(name, backend), attempts)
+        target = special.get(name, backend)
+        plain = target.__dict__.get("generate_stream")
+        if (mode, name) in RACY:
+            read_one_chunk_at_a_time(target)
+        result = run_one(module, sgl, name, kwargs, target, attempts)
+        if (mode, name) in RACY:  # the other programs stream as SGLang does
+            if plain is None:
+                del target.generate_stream
+            else:
+                target.generate_stream = plain
         print(json.dumps(result), flush=True)
     if hasattr(backend, "shutdown"):  # ArborLM's backends; SGLang's RuntimeEndpoint has none
         backend.shutdown()
