@@ -45,6 +45,7 @@ from arborlm.runtime.config import EngineConfig
 from arborlm.runtime.forward_batch import ForwardMode
 from arborlm.runtime.request import Req
 from arborlm.runtime.scheduler.batch import ScheduledBatch
+from arborlm.runtime.scheduler.in_batch_prefix import common_prefix_len
 from arborlm.runtime.scheduler.kv_slots import KVSlots
 from arborlm.runtime.scheduler.results import ResultProcessor, per_request
 from arborlm.runtime.speculative.grammar_draft import fit_draft
@@ -241,7 +242,7 @@ class NgramSpeculator:
                 # appended after it (a grammar's forced run). Those equal to the draft from
                 # this row on have their KV here; the newest token never counts.
                 req, new = reqs[i], reqs[i].output_ids[n:]
-                same = _common_prefix(new, drafts[i][row[i]:])
+                same = common_prefix_len(new, drafts[i][row[i]:])
                 computed[i] = row[i] + 1 + max(0, min(same, len(new) - 1))
                 if not req.finished and new and same == len(new):
                     row[i] += len(new)
@@ -264,13 +265,3 @@ class NgramSpeculator:
         state.failures = 0 if accepted else state.failures + 1
         if state.failures >= FAILURES_BEFORE_BACKOFF:
             state.pause = min(MAX_BACKOFF_STEPS, 2 ** (state.failures - FAILURES_BEFORE_BACKOFF))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of `a` and `b`."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
