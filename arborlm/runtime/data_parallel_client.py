@@ -6,9 +6,10 @@ API process:  DataParallelClient ── policy (routing/policy.py) ──▶ rep
 ```
 
 Each replica is a whole multi-process engine (`MultiProcessClient`: its scheduler and
-detokenizer processes, its own KV pool and radix cache, its own restart policy). A request is
-tokenized and validated once (by the first replica's tokenizer manager: every replica has the
-same model, tokenizer and limits), then routed with its first sequence's token ids as the
+detokenizer processes, its own KV pool and radix cache, its own restart policy); the replicas
+share one tokenizer, loaded once here. A request is tokenized and validated once (by the first
+serving replica's tokenizer manager: every replica has the same model, tokenizer and limits),
+then routed with its first sequence's token ids as the
 routing text (`ids_text`), so the cache-aware policy matches token prefixes; all sequences of
 one request go to one replica. The policy sees the replicas in rotation — those whose
 processes are alive and not restarting — and each one's requests in flight.
@@ -17,7 +18,10 @@ A replica whose process dies fails its own in-flight requests ("engine restartin
 process died ...") and leaves rotation while it restarts; the others keep serving. The client
 reports itself dead (and calls `on_fatal`) only when every replica is dead for good.
 `server_info` sums the replicas' counters and lists each replica's own figures under
-`replicas` (with `dp_rank`). This module imports no model or scheduler code.
+`replicas` (with `dp_rank`). Not (yet) SGLang's layout of one tokenizer manager and one
+detokenizer in front of N schedulers: each replica keeps its own tokenizer manager (sockets and
+a receiver thread) and detokenizer process, which is what lets a replica die and restart alone.
+This module imports no model or scheduler code.
 """
 
 from __future__ import annotations
@@ -53,15 +57,16 @@ class DataParallelClient(EngineClient):
         self._lock = threading.Lock()  # the policy and the in-flight counts
         self._fatal: dict[int, str] = {}
         self._in_flight = [0] * dp_size
-        # Resolve (build or fetch the model) and import the tokenizer's library once, here:
-        # the replicas then start side by side without racing on either.
+        # Resolve (build or fetch the model) and load the tokenizer once, here: the replicas
+        # then start side by side without racing on either, and share the one tokenizer.
         config = args.resolve()
         args = dataclasses.replace(args, model_path=config.model.path,
                                    tokenizer_path=config.tokenizer_path)
-        load_tokenizer(config.tokenizer_path)
+        tokenizer = load_tokenizer(config.tokenizer_path)
         with ThreadPoolExecutor(dp_size) as pool:
             starts = [pool.submit(MultiProcessClient, args, restart,
-                                  lambda reason, rank=rank: self._replica_fatal(rank, reason))
+                                  lambda reason, rank=rank: self._replica_fatal(rank, reason),
+                                  tokenizer)
                       for rank in range(dp_size)]
         replicas = []
         for start in starts:

@@ -147,7 +147,9 @@ class _Processes:
 
 class MultiProcessClient(EngineClient):
     def __init__(self, args: EngineArgs, restart: RestartPolicy | None = None,
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None, tokenizer: Any = None):
+        """`tokenizer`: the model's tokenizer already loaded (replicas share one), else it
+        loads while the first children start."""
         startup.phase("building or fetching the model")
         self.config = args.resolve()
         # Children get the resolved paths, so they need not resolve defaults again.
@@ -160,7 +162,7 @@ class MultiProcessClient(EngineClient):
         self._closing = threading.Event()
         self._error: EngineDeadError | None = None  # set while not serving
         self._closed = False
-        self.tokenizer: Any = None  # loaded while the first children start
+        self.tokenizer: Any = tokenizer
         startup.phase("starting the engine processes")
         started = time.monotonic()
         self._procs = _Processes(self.config, self.args, self._load_tokenizer)
