@@ -6,11 +6,13 @@ they equal the float shard `TPShard.take` cuts from the whole decoded weight) fo
 quantized at load and for a GGUF file's packed blocks. Then real engines (gloo ranks on loopback):
 TP=2 greedy tokens equal TP=1's with the same quantized weights. The sharded sums are the same
 products as one rank's, added in another order (the all-reduce), so the logprobs agree to float32
-rounding on `quant_linear`'s portable path (measured: within 7e-6). On the VNNI path the kernel
-also rounds each block of activations to int8, and a last-bit difference in a layer's input can
-move one of those roundings, which then carries through the layers (measured: up to 0.032 on the
-Q4_0 file, the tokens still equal). A tp size whose row-parallel shards would cut a block is
-refused before any rank starts, naming both sizes.
+rounding on `quant_linear`'s portable path (measured with every rank forced onto it: within 7e-6
+here, 1.5e-5 on SmolLM2 over 3 ranks). On the VNNI path the kernel also rounds each block of
+activations to int8, and a last-bit difference in a layer's input can move one of those
+roundings, which then carries through the layers (measured: up to 0.032 on the Q4_0 file, 0.078
+on SmolLM2's 30 layers; the tokens equal), the same scale as that path's own error against the
+float model (`test_cpu_quant_loading.py`). A tp size whose row-parallel shards would cut a block
+is refused before any rank starts, naming both sizes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tests.runtime.test_gguf_models import SIZE
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 # Summation order alone (portable), or with the int8 roundings it can move (VNNI; module docstring).
-LOGPROB_TOL = {"portable": 1e-4, "vnni": 0.1}[cpu_kernels.quant_path()]
+LOGPROB_TOL = {"portable": 1e-4, "vnni": 0.25}[cpu_kernels.quant_path()]
 # Q4_K's 256-value blocks: head_dim 128 keeps each of 2 ranks' o_proj input (2 heads) whole.
 K_QUANT_SIZE = {"hidden_size": 512, "intermediate_size": 1024, "num_heads": 4, "num_kv_heads": 2}
 
