@@ -345,14 +345,18 @@ def _tp_engine(path: Path, dtype: str, tp: int, graphs: bool = False):
 
 
 def tp_greedy(path: Path) -> tuple[bool, str]:
-    """TP=2 against TP=1 greedy outputs, float32 (must be identical)."""
-    ids = {}
+    """TP=2 against TP=1 greedy outputs, float32 (must be identical), the ranks' collectives
+    on NCCL (a group on another backend fails the check)."""
+    ids, backend = {}, None
     for tp in (1, 2):
         with _tp_engine(path, "float32", tp) as engine:
+            if tp > 1:
+                backend = engine.client.scheduler.runner.leader.group.backend
             outs = engine.generate(GREEDY_PROMPTS, {"temperature": 0, "max_new_tokens": 32})
         ids[tp] = [o["output_ids"] for o in outs]
         _release()
-    return greedy_equality(ids[1], ids[2])
+    ok, detail = greedy_equality(ids[1], ids[2])
+    return ok and backend == "nccl", f"{detail}; collectives on {backend}"
 
 
 def tp_timings(path: Path) -> list[str]:

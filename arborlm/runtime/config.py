@@ -318,8 +318,6 @@ class EngineArgs:
         reasons = []
         if self.device != "cpu":
             reasons.append(f"its packed kernels run on CPU only (device {self.device})")
-        if self.tp_size > 1:
-            reasons.append(f"tensor parallelism (tp_size {self.tp_size}) shards float weights")
         if model.dtype not in (torch.float32, torch.bfloat16):
             reasons.append(f"its kernels take float32 or bfloat16 activations, not {model.dtype}")
         if value == Quantization.GGUF and not is_gguf:

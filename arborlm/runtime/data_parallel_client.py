@@ -1,17 +1,23 @@
 """`DataParallelClient`: N engine replicas behind one client, each request routed by a policy.
 
 ```
-API process:  DataParallelClient ── policy (routing/policy.py) ──▶ replica 0: MultiProcessClient
-                                                                 ▶ replica 1: MultiProcessClient
+API process:  DataParallelClient ── policy (routing/policy.py)
+                    │
+              TokenizerManager ──▶ replica 0: scheduler ──▶ detokenizer ──┐
+                 ▲  (one)      ──▶ replica 1: scheduler ──▶ detokenizer ──┤
+                 └────────────────────────────────────────────────────────┘
 ```
 
-Each replica is a whole multi-process engine (`MultiProcessClient`: its scheduler and
-detokenizer processes, its own KV pool and radix cache, its own restart policy). A request is
-tokenized and validated once (by the first replica's tokenizer manager: every replica has the
-same model, tokenizer and limits), then routed with its first sequence's token ids as the
-routing text (`ids_text`), so the cache-aware policy matches token prefixes; all sequences of
-one request go to one replica. The policy sees the replicas in rotation — those whose
-processes are alive and not restarting — and each one's requests in flight.
+One tokenizer manager (one tokenizer, one receiving socket and thread, one table of requests in
+flight, one stream of per-request seeds) fronts N replicas, as SGLang's data-parallel
+controller does. Each replica is a `MultiProcessClient` sharing that manager: its scheduler and
+detokenizer processes, its own KV pool and radix cache, its own restart policy (a replica's
+detokenizer stays with its scheduler, so a replica dies and restarts as a unit). A request is
+tokenized and validated once (every replica has the same model, tokenizer and limits), then
+routed with its first sequence's token ids as the routing text (`ids_text`), so the cache-aware
+policy matches token prefixes; all sequences of one request go to one replica. The policy sees
+the replicas in rotation — those whose processes are alive and not restarting — and each one's
+requests in flight.
 
 A replica whose process dies fails its own in-flight requests ("engine restarting: scheduler
 process died ...") and leaves rotation while it restarts; the others keep serving. The client
@@ -34,7 +40,9 @@ from arborlm.routing.policy import RoutingPolicy, ids_text
 from arborlm.runtime.config import EngineArgs
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest
+from arborlm.runtime.ipc import IpcAddresses
 from arborlm.runtime.multiprocess_client import MultiProcessClient, RestartPolicy
+from arborlm.runtime.tokenizer_manager import TokenizerManager
 from arborlm.runtime.tokenizer_utils import load_tokenizer
 
 # Counters of a replica's `server_info` that add up across replicas.
@@ -53,15 +61,19 @@ class DataParallelClient(EngineClient):
         self._lock = threading.Lock()  # the policy and the in-flight counts
         self._fatal: dict[int, str] = {}
         self._in_flight = [0] * dp_size
-        # Resolve (build or fetch the model) and import the tokenizer's library once, here:
-        # the replicas then start side by side without racing on either.
-        config = args.resolve()
+        # Resolve (build or fetch the model) and load the tokenizer once, here: the replicas
+        # then start side by side without racing on either.
+        self.config = config = args.resolve()
         args = dataclasses.replace(args, model_path=config.model.path,
                                    tokenizer_path=config.tokenizer_path)
-        load_tokenizer(config.tokenizer_path)
+        self._home = IpcAddresses.create()
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.tm = TokenizerManager(config, self.tokenizer, self._home.detokenizer_to_tokenizer,
+                                   args.random_seed)
         with ThreadPoolExecutor(dp_size) as pool:
             starts = [pool.submit(MultiProcessClient, args, restart,
-                                  lambda reason, rank=rank: self._replica_fatal(rank, reason))
+                                  lambda reason, rank=rank: self._replica_fatal(rank, reason),
+                                  (rank, self.tm, self._home))
                       for rank in range(dp_size)]
         replicas = []
         for start in starts:
@@ -70,10 +82,9 @@ class DataParallelClient(EngineClient):
             except BaseException:
                 for started in [s.result() for s in starts if s.exception() is None]:
                     started.shutdown()
+                self._close(EngineDeadError("the engine failed to start"))
                 raise
         self.replicas: list[MultiProcessClient] = replicas
-        self.config = replicas[0].config
-        self.tokenizer = replicas[0].tokenizer
 
     @property
     def restarts(self) -> int:  # type: ignore[override]
@@ -92,11 +103,12 @@ class DataParallelClient(EngineClient):
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         self.check_available()
-        prepared = self._any_serving().tm.prepare(req)  # raises on bad input, before routing
+        prepared = self.tm.prepare(req)  # raises on bad input, before routing
         text = ids_text(prepared[0][1]) if prepared else ""
         rank = self._acquire(text)
         try:
-            events = self.replicas[rank].tm.generate_prepared(prepared)
+            self.replicas[rank].check_available()
+            events = self.tm.generate_prepared(prepared, rank)
         except BaseException:
             self._release(rank)
             raise
@@ -112,8 +124,8 @@ class DataParallelClient(EngineClient):
             await events.aclose()  # type: ignore[attr-defined]
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
-        for replica in self._serving():  # a rid unknown to a replica is ignored there
-            replica.abort(rid, abort_all)
+        self.check_available()
+        self.tm.abort(rid, abort_all)  # to every replica serving; one not running rid ignores it
 
     async def flush_cache(self) -> tuple[bool, str]:
         results = await asyncio.gather(*(r.flush_cache() for r in self._serving()))
@@ -146,17 +158,16 @@ class DataParallelClient(EngineClient):
     def shutdown(self) -> None:
         for replica in self.replicas:
             replica.shutdown()
+        self._close(EngineDeadError("the engine has been shut down"))
+
+    def _close(self, error: EngineDeadError) -> None:
+        self.tm.close(error)
+        self._home.cleanup()
 
     # --- routing ------------------------------------------------------------------------------
 
     def _serving(self) -> list[MultiProcessClient]:
         return [r for r in self.replicas if r.healthy()]
-
-    def _any_serving(self) -> MultiProcessClient:
-        serving = self._serving()
-        if not serving:
-            self.check_available()
-        return serving[0] if serving else self.replicas[0]
 
     def _acquire(self, text: str) -> int:
         with self._lock:

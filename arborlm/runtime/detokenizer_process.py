@@ -11,7 +11,8 @@ the end), the new ids, and logprob entries with their token text when
 makes the stream's chunks); the others get one entry when they finish, holding all their ids
 and logprobs, so the API process handles one message per request.
 
-Control replies (flush, server info, health) and `ErrorOutput`s are forwarded unchanged; a
+Control replies (flush, server info, health) are forwarded tagged with the replica's `dp_rank`
+(one tokenizer manager hears every replica's detokenizer), `ErrorOutput`s unchanged; a
 `ShutdownReq` is forwarded and ends the loop. An exception while detokenizing one request ends
 that request with an `ErrorOutput` and nothing else. This module does not tokenize, sample or
 schedule.
@@ -22,14 +23,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
+
 from arborlm.runtime.ipc import IpcAddresses
 from arborlm.runtime.messages import (
     BatchTextOutput,
     BatchTokenOutput,
     DecodeOptions,
     ErrorOutput,
+    FlushCacheResp,
+    HealthCheckResp,
     LogprobChunk,
     Message,
+    ServerInfoResp,
     ShutdownReq,
 )
 from arborlm.runtime.process_utils import StopFlag
@@ -89,7 +95,8 @@ def _text_batch(batch: BatchTokenOutput, sent: list[tuple[int, _RequestState]]
 
 
 class DetokenizerService:
-    def __init__(self, tokenizer_path: str, addrs: IpcAddresses):
+    def __init__(self, tokenizer_path: str, addrs: IpcAddresses, dp_rank: int = 0):
+        self.dp_rank = dp_rank
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.recv = PullQueue(addrs.scheduler_to_detokenizer, bind=True)
         self.send = PushQueue(addrs.detokenizer_to_tokenizer, bind=False)
@@ -125,6 +132,8 @@ class DetokenizerService:
             return
         if isinstance(msg, ErrorOutput):
             self.requests.pop(msg.rid, None)
+        elif isinstance(msg, FlushCacheResp | ServerInfoResp | HealthCheckResp):
+            msg = msgspec.structs.replace(msg, dp_rank=self.dp_rank)
         self.send.put(msg)
 
     def _detokenize(self, batch: BatchTokenOutput) -> BatchTextOutput:

@@ -55,20 +55,10 @@ class IpcAddresses:
             os.rmdir(path)
             raise
 
-    def rank_broadcast(self, rank: int) -> str:
-        """Address on which tensor-parallel rank `rank` (> 0) receives what rank 0 broadcasts."""
-        if rank < 1:
-            raise ValueError(f"broadcast addresses are for ranks >= 1 (rank 0 sends), got {rank}")
-        return _address(self.run_dir, f"rank-{rank}-broadcast")
-
-    def all_addresses(self, tp_size: int = 1) -> list[str]:
-        """Every address of an engine with `tp_size` tensor-parallel ranks."""
-        fixed = [
-            self.tokenizer_to_scheduler,
-            self.scheduler_to_detokenizer,
-            self.detokenizer_to_tokenizer,
-        ]
-        return fixed + [self.rank_broadcast(r) for r in range(1, tp_size)]
+    def all_addresses(self) -> list[str]:
+        """Every address of the engine."""
+        return [self.tokenizer_to_scheduler, self.scheduler_to_detokenizer,
+                self.detokenizer_to_tokenizer]
 
     def cleanup(self) -> None:
         """Remove the directory and any socket files in it; safe to call twice."""

@@ -130,15 +130,18 @@ class ShutdownReq(_Message):
 class FlushCacheResp(_Message):
     ok: bool
     message: str = ""
+    dp_rank: int = 0  # the replica that answers (set by its detokenizer)
 
 
 class ServerInfoResp(_Message):
     info: dict[str, Any]
+    dp_rank: int = 0  # the replica that answers (set by its detokenizer)
 
 
 class HealthCheckResp(_Message):
     ok: bool
     message: str = ""
+    dp_rank: int = 0  # the replica that answers (set by its detokenizer)
 
 
 # --- outputs -----------------------------------------------------------------------------------

@@ -47,7 +47,11 @@ class ModelRunner:
         if tp is None and args.tp_size > 1:
             from arborlm.runtime.distributed.launch import TPLeader, threads_per_rank
 
-            TPShard.of(mc, 0, args.tp_size)  # the model splits so (else ModelLoadError)
+            shard = TPShard.of(mc, 0, args.tp_size)  # the model splits so (else ModelLoadError)
+            if args.quantization is not None:
+                from arborlm.runtime.platforms.cpu.quant_loading import check_tp_blocks
+
+                check_tp_blocks(mc, args.quantization, shard)  # whole blocks on each rank
             if args.node_rank != 0:
                 raise InvalidRequestError(
                     f"node_rank {args.node_rank} runs only its tensor-parallel ranks, not an "

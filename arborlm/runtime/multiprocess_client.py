@@ -8,9 +8,12 @@ this process:  Engine → MultiProcessClient → TokenizerManager ──ipc─�
 
 The constructor resolves the configuration (building or fetching the model) and starts the
 engine's processes (`_Processes`): a private socket directory (`IpcAddresses`), the scheduler
-process (which compiles the kernels and loads the model), the detokenizer process, and a
-tokenizer manager bound to their sockets (the tokenizer loads here while the children start);
-it waits for both children to report ready, logging their startup phases. A child that fails
+process (which compiles the kernels and loads the model) and the detokenizer process; the
+tokenizer manager (which outlives restarts) binds its socket in the parent directory and loads
+the tokenizer while the first children start. It waits for both children to report ready,
+logging their startup phases, then connects the tokenizer manager to the scheduler. As one
+replica of `DataParallelClient` (`rank`, `tm`), it shares that client's tokenizer manager:
+its processes come and go as a replica's while the manager serves the others. A child that fails
 to start makes the constructor raise the child's error (the same `arborlm.errors` class where
 it raised one). The scheduler's KV capacity arrives with its ready message.
 
@@ -57,6 +60,7 @@ from arborlm.runtime.config import EngineArgs, EngineConfig
 from arborlm.runtime.engine_client import EngineClient
 from arborlm.runtime.generate_request import GenerateRequest
 from arborlm.runtime.ipc import IpcAddresses
+from arborlm.runtime.messages import ShutdownReq
 from arborlm.runtime.process_utils import (
     ChildProcess,
     register_for_cleanup,
@@ -99,55 +103,60 @@ class RestartPolicy:
 
 
 class _Processes:
-    """One start of the engine: its socket directory, its two children, its tokenizer manager."""
+    """One start of replica `rank`: its socket directory (inside `home`, whose detokenizer
+    address is the tokenizer manager's), its two children, its link from the manager."""
 
-    def __init__(self, config: EngineConfig, args: EngineArgs, tokenizer: Callable[[], Any],
-                 cancel: threading.Event | None = None):
-        self.addrs = IpcAddresses.create()
+    def __init__(self, config: EngineConfig, args: EngineArgs, home: IpcAddresses, rank: int,
+                 tm: Callable[[], TokenizerManager], cancel: threading.Event | None = None):
+        self.addrs = dataclasses.replace(IpcAddresses.create(home.run_dir),
+                                         detokenizer_to_tokenizer=home.detokenizer_to_tokenizer)
+        self.rank = rank
         self.children: list[ChildProcess] = []
         self.tm: TokenizerManager | None = None
+        self.max_total_tokens = 0
         self._stopped = False
         try:
-            run_dir = self.addrs.run_dir
             self.children = [
                 spawn_child("scheduler", SCHEDULER_ENTRY, args, self.addrs,
-                            cleanup_dir=run_dir, env=scheduler_env()),
+                            cleanup_dir=home.run_dir, env=scheduler_env()),
                 spawn_child("detokenizer", DETOKENIZER_ENTRY, config.tokenizer_path,
-                            self.addrs, cleanup_dir=run_dir),
+                            self.addrs, rank, cleanup_dir=home.run_dir),
             ]
-            # The children start meanwhile (the detokenizer connects to this socket when bound).
-            self.tm = TokenizerManager(config, tokenizer(), self.addrs, args.random_seed)
+            self.tm = tm()  # the children start meanwhile (the first time: the tokenizer loads)
             infos = wait_ready(self.children, STARTUP_TIMEOUT_S, cancel)
         except BaseException:
             self.stop(EngineDeadError("the engine failed to start"), graceful=False)
             raise
-        self.tm.start(infos["scheduler"]["max_total_tokens"])
-        logger.info("engine processes: %s", ", ".join(f"{c.name} pid {c.pid}"
-                                                      for c in self.children))
+        self.max_total_tokens = infos["scheduler"]["max_total_tokens"]
+        self.tm.connect(rank, self.addrs.tokenizer_to_scheduler, self.max_total_tokens)
+        logger.info("engine processes%s: %s", f" of replica {rank}" if rank else "",
+                    ", ".join(f"{c.name} pid {c.pid}" for c in self.children))
 
     def dead_child(self) -> ChildProcess | None:
         return next((c for c in self.children if not c.is_alive()), None)
 
     def stop(self, error: EngineDeadError, graceful: bool) -> None:
-        """Fail pending calls with `error`, stop the children, remove the sockets (once)."""
+        """Fail this replica's pending calls with `error`, stop the children, remove the
+        sockets (once)."""
         if self._stopped:
             return
         self._stopped = True
-        tm = self.tm
-        if tm is not None:
-            tm.fail_all(error)
-            if graceful and all(c.is_alive() for c in self.children):
-                tm.send_shutdown()
+        link = None if self.tm is None else self.tm.disconnect(self.rank, error)
+        if link is not None and graceful and all(c.is_alive() for c in self.children):
+            link.put(ShutdownReq())  # travels on to the detokenizer; both exit
         for child in self.children:
             child.stop(SHUTDOWN_TIMEOUT_S if graceful else 0.0)
-        if tm is not None:
-            tm.close(error)
+        if link is not None:
+            link.close()
         self.addrs.cleanup()
 
 
 class MultiProcessClient(EngineClient):
     def __init__(self, args: EngineArgs, restart: RestartPolicy | None = None,
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None,
+                 replica: tuple[int, TokenizerManager, IpcAddresses] | None = None):
+        """`replica`: (rank, the shared tokenizer manager, the socket directory it binds in)
+        when this engine is one replica of a `DataParallelClient`; else it has its own."""
         startup.phase("building or fetching the model")
         self.config = args.resolve()
         # Children get the resolved paths, so they need not resolve defaults again.
@@ -160,10 +169,16 @@ class MultiProcessClient(EngineClient):
         self._closing = threading.Event()
         self._error: EngineDeadError | None = None  # set while not serving
         self._closed = False
-        self.tokenizer: Any = None  # loaded while the first children start
+        self.rank, self._tm, self._home = replica or (0, None, IpcAddresses.create())
+        self._owns_tm = replica is None
         startup.phase("starting the engine processes")
         started = time.monotonic()
-        self._procs = _Processes(self.config, self.args, self._load_tokenizer)
+        try:
+            self._procs = _Processes(self.config, self.args, self._home, self.rank,
+                                     self._manager)
+        except BaseException:
+            self._close_manager(EngineDeadError("the engine failed to start"))
+            raise
         self._start_s = time.monotonic() - started
         logger.info("engine started in %.1f s", self._start_s)
         self._watchdog = threading.Thread(target=self._watch, name="arborlm-watchdog",
@@ -171,19 +186,33 @@ class MultiProcessClient(EngineClient):
         self._watchdog.start()
         register_for_cleanup(self)
 
-    def _load_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-        return self.tokenizer
+    def _manager(self) -> TokenizerManager:
+        """The tokenizer manager, made (and the tokenizer loaded) on the first start."""
+        if self._tm is None:
+            self._tm = TokenizerManager(self.config, load_tokenizer(self.config.tokenizer_path),
+                                        self._home.detokenizer_to_tokenizer,
+                                        self.args.random_seed)
+        return self._tm
+
+    def _close_manager(self, error: EngineDeadError) -> None:
+        """Close the tokenizer manager and the socket directory, when this engine owns them."""
+        if not self._owns_tm:
+            return
+        if self._tm is not None:
+            self._tm.close(error)
+        self._home.cleanup()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._manager().tokenizer
 
     @property
     def tm(self) -> TokenizerManager:
-        """The tokenizer manager of the engine serving now (raises while there is none)."""
+        """The tokenizer manager, while this engine serves (raises why it does not)."""
         with self._lock:
             if self._error is not None:
                 raise _copy(self._error)
-            assert self._procs.tm is not None
-            return self._procs.tm
+            return self._manager()
 
     @property
     def children(self) -> list[ChildProcess]:
@@ -195,7 +224,7 @@ class MultiProcessClient(EngineClient):
 
     @property
     def max_total_tokens(self) -> int:
-        return self._procs.tm.max_total_tokens if self._procs.tm else 0
+        return self._procs.max_total_tokens
 
     def pids(self) -> dict[str, int]:
         """Process ids of the children, by name ("scheduler", "detokenizer")."""
@@ -204,20 +233,20 @@ class MultiProcessClient(EngineClient):
     # --- EngineClient -------------------------------------------------------------------------
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        return self.tm.generate(req)
+        return self.tm.generate(req, self.rank)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self.tm.abort(rid, abort_all)
+        self.tm.abort(rid, abort_all, [self.rank])
 
     async def flush_cache(self) -> tuple[bool, str]:
-        return await self.tm.flush_cache()
+        return await self.tm.flush_cache(self.rank)
 
     async def server_info(self) -> dict[str, Any]:
-        return await self.tm.server_info()
+        return await self.tm.server_info(self.rank)
 
     async def health_check(self) -> bool:
         """True after a round trip through both children."""
-        return await self.tm.health_check()
+        return await self.tm.health_check(self.rank)
 
     def healthy(self) -> bool:
         with self._lock:
@@ -244,6 +273,7 @@ class MultiProcessClient(EngineClient):
         if self._watchdog is not threading.current_thread():
             self._watchdog.join()  # it stops a start in progress (cancelled by _closing)
         self._procs.stop(self._error, graceful=was_serving)
+        self._close_manager(self._error)
         unregister(self)
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -303,7 +333,8 @@ class MultiProcessClient(EngineClient):
                 return False
             started = time.monotonic()
             try:
-                procs = _Processes(self.config, self.args, self._load_tokenizer, self._closing)
+                procs = _Processes(self.config, self.args, self._home, self.rank, self._manager,
+                                   self._closing)
             except Exception as e:  # noqa: BLE001 - logged; the next attempt follows
                 logger.error("engine restart attempt %d of %d failed: %s", attempt + 1,
                              policy.attempts, e)

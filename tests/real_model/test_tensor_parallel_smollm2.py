@@ -34,3 +34,18 @@ def test_tp3_greedy_equals_tp1(smollm2_gguf):
 def test_tp2_is_refused_naming_the_heads(smollm2_gguf):
     with pytest.raises(ModelLoadError, match="tp_size 2 does not divide 9 attention heads"):
         Engine(str(smollm2_gguf), dtype="float32", tp_size=2)
+
+
+def test_tp3_packed_gguf_greedy_equals_tp1(smollm2_gguf):
+    """`--quantization gguf`: each of 3 ranks computes from its blocks of the file's Q4_1
+    linears (o_proj 192 and down_proj 512 input values a rank: whole 32-value blocks). The
+    tolerance is `test_tensor_parallel_quant.py`'s, for the same reason."""
+    from tests.runtime.test_tensor_parallel_quant import LOGPROB_TOL
+
+    ref = _generate(smollm2_gguf, quantization="gguf")
+    got = _generate(smollm2_gguf, quantization="gguf", tp_size=3)
+    for a, b in zip(ref, got, strict=True):
+        assert b["output_ids"] == a["output_ids"]
+        la = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
+        lb = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < LOGPROB_TOL

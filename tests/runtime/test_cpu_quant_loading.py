@@ -131,7 +131,6 @@ def test_decode_runs_eagerly_through_the_quantized_linears(make_tiny_model):
 @pytest.mark.parametrize("args, reason", [
     ({"quantization": "q3_k"}, "must be one of"),
     ({"quantization": "q4_0", "device": "cuda"}, "CPU only"),
-    ({"quantization": "q8_0", "tp_size": 2}, "tensor parallelism"),
     ({"quantization": "q8_0", "dtype": "float16"}, "float32 or bfloat16"),
     ({"quantization": "gguf"}, "not one"),
 ])

@@ -105,7 +105,9 @@ def test_killed_rank_ends_the_engine_with_its_name(make_tiny_model):
     engine = Engine(str(make_tiny_model("llama")), dtype="float32", max_total_tokens=4096,
                     tp_size=2)
     try:
-        worker = engine.client.scheduler.runner.leader.workers[1]
+        leader = engine.client.scheduler.runner.leader
+        assert leader.group.backend == "gloo"  # CPU ranks (CUDA ones: NCCL, gpu_check.py)
+        worker = leader.workers[1]
         assert len(engine.generate(PROMPTS[0], GREEDY)["output_ids"]) == 12
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()

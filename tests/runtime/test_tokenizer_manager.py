@@ -37,10 +37,11 @@ class Pipeline:
     def __init__(self, path: str):
         config = EngineArgs(model_path=path, dtype="float32").resolve()
         self.addrs = IpcAddresses.create()
-        self.tm = TokenizerManager(config, load_tokenizer(config.tokenizer_path), self.addrs)
+        self.tm = TokenizerManager(config, load_tokenizer(config.tokenizer_path),
+                                   self.addrs.detokenizer_to_tokenizer)
         self.inbox = PullQueue(self.addrs.tokenizer_to_scheduler, bind=True)
         self.outbox = PushQueue(self.addrs.detokenizer_to_tokenizer, bind=False)
-        self.tm.start(max_total_tokens=64)
+        self.tm.connect(0, self.addrs.tokenizer_to_scheduler, max_total_tokens=64)
 
     def received(self):
         msg = self.inbox.get(timeout=5)
@@ -210,3 +211,44 @@ def test_fail_all_wakes_every_waiter_and_later_calls_raise(pipe):
         pipe.tm.generate(GenerateRequest(text="hi"))
     with pytest.raises(EngineDeadError):
         pipe.tm.abort("x")
+
+
+def test_one_manager_fronts_two_replicas_and_one_can_go_down_alone(pipe):
+    """Replica 1's scheduler has its own inbox; both replicas' detokenizers answer on the one
+    socket (replies tagged with `dp_rank`). Requests go to the replica named, each replica's
+    control replies resolve its own calls, and replica 1 going down fails only its calls: it
+    is refused until connected again, while replica 0 serves throughout."""
+    inbox1 = PullQueue(pipe.addrs.tokenizer_to_scheduler + "-1", bind=True)
+    pipe.tm.connect(1, pipe.addrs.tokenizer_to_scheduler + "-1", max_total_tokens=64)
+    done = {"type": "length", "length": 1}
+    try:
+        async def run():
+            on1 = pipe.tm.generate(GenerateRequest(text="hi", rid="on1"), rank=1)
+            on0 = pipe.tm.generate(GenerateRequest(text="hi", rid="on0"), rank=0)
+            pending1, pending0 = (asyncio.ensure_future(_next(e)) for e in (on1, on0))
+            info0 = asyncio.ensure_future(pipe.tm.flush_cache(0))
+            info1 = asyncio.ensure_future(pipe.tm.flush_cache(1))
+            got1 = [await asyncio.to_thread(inbox1.get, 5) for _ in range(2)]
+            got0 = [await asyncio.to_thread(pipe.received) for _ in range(2)]
+            pipe.outbox.put(FlushCacheResp(ok=True, message="one", dp_rank=1))
+            pipe.outbox.put(FlushCacheResp(ok=True, message="zero", dp_rank=0))
+            replies = (await info0, await info1)
+            link = pipe.tm.disconnect(1, EngineDeadError("replica 1 died"))
+            failed = await asyncio.gather(pending1, return_exceptions=True)
+            pipe.outbox.put(text_output(["on0"], ["a"], [[40]], [done]))
+            return got1, got0, replies, link, failed, await pending0
+
+        got1, got0, replies, link, failed, event0 = asyncio.run(run())
+        assert [m.rid for m in got1 if hasattr(m, "rid")] == ["on1"]
+        assert [m.rid for m in got0 if hasattr(m, "rid")] == ["on0"]
+        assert replies == ((True, "zero"), (True, "one"))
+        assert [str(e) for e in failed] == ["replica 1 died"]
+        assert event0[1]["text"] == "a"
+        link.close()
+        with pytest.raises(EngineDeadError, match="replica 1 died"):
+            pipe.tm.generate(GenerateRequest(text="hi"), rank=1)
+        assert pipe.tm.ranks() == [0]
+        pipe.tm.connect(1, pipe.addrs.tokenizer_to_scheduler + "-1", max_total_tokens=64)
+        assert pipe.tm.ranks() == [0, 1]
+    finally:
+        inbox1.close()

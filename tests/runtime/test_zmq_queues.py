@@ -35,8 +35,8 @@ def test_addresses_live_in_a_private_directory(addrs):
     mode = stat.S_IMODE(os.stat(addrs.run_dir).st_mode)
     assert mode == 0o700
     assert os.path.basename(addrs.run_dir).startswith("arborlm-")
-    every = addrs.all_addresses(tp_size=4)
-    assert len(set(every)) == 6
+    every = addrs.all_addresses()
+    assert len(set(every)) == 3
     for a in every:
         assert a.startswith(f"ipc://{addrs.run_dir}/")
     assert pickle.loads(pickle.dumps(addrs)) == addrs
@@ -58,11 +58,6 @@ def test_too_long_socket_path_is_refused(tmp_path):
     with pytest.raises(ValueError, match="longer than"):
         IpcAddresses.create(str(deep))
     assert os.listdir(deep) == []
-
-
-def test_rank_zero_has_no_broadcast_address(addrs):
-    with pytest.raises(ValueError):
-        addrs.rank_broadcast(0)
 
 
 # --- queues ------------------------------------------------------------------------------------
@@ -118,8 +113,8 @@ def test_only_messages_can_be_sent(addrs):
 
 
 def test_cleanup_leaves_no_files(addrs):
-    pulls = [PullQueue(a, bind=True) for a in addrs.all_addresses(tp_size=2)]
-    assert len(_socket_files(addrs)) == 4
+    pulls = [PullQueue(a, bind=True) for a in addrs.all_addresses()]
+    assert len(_socket_files(addrs)) == 3
     for q in pulls:
         q.close()
     addrs.cleanup()

@@ -36,6 +36,11 @@ class TPGroup:
         self._store = store  # the rendezvous store; rank 0's must outlive the group
         self.op_timeout = op_timeout
 
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend the collectives run on: "nccl" or "gloo"."""
+        return self._pg.name()
+
     def set_op_timeout(self, seconds: float) -> None:
         """From now on a collective fails after waiting `seconds` for the other ranks."""
         self.op_timeout = timedelta(seconds=seconds)

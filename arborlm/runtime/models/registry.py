@@ -40,7 +40,7 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
     mode. With `tp`, the model is this rank's shard (each checkpoint tensor is read whole and
     only this rank's part kept). With `quantization` (`EngineArgs.quantization`, already checked
     to apply), the decoder's linears are `QuantLinear`s: a GGUF file's packed blocks (`gguf`) or
-    the float weights quantized to that type.
+    the float weights quantized to that type; with `tp`, this rank's blocks of them.
 
     Raises `ModelLoadError` (with the model directory) for missing or unreadable weight files,
     missing, unexpected or misshapen tensors.
@@ -48,6 +48,10 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config) if tp is None else cls(config, tp)
+    if quantization is not None and tp is not None:
+        from arborlm.runtime.platforms.cpu.quant_loading import check_tp_blocks
+
+        check_tp_blocks(config, quantization, model.shard)
     if find_gguf_file(config.path) is not None:
         from arborlm.runtime.models.gguf.tensors import iter_gguf_tensors  # imports gguf
 

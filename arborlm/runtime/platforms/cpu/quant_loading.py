@@ -6,6 +6,12 @@ model stacks into one linear each (`llama.STACKED_LINEARS`), are stacked as bloc
 has the same type, and decoded to float otherwise (that linear then stays an `nn.Linear`).
 `quantize_decoder` quantizes a loaded float model's decoder linears to one 32-value type.
 
+With tensor parallelism each rank keeps its shard's blocks (`TPShard.take_packed`): a file's
+packed rows are sliced on whole blocks before they are stacked, and a float model quantizes its
+already sharded linears, which gives the same blocks as slicing the whole model's (rows are
+quantized independently, and a row-parallel shard starts on a block boundary).
+`check_tp_blocks` refuses a tp size whose row-parallel shards would cut a block.
+
 Not here: the embedding and output head (they stay in the model dtype), deciding whether the
 option applies (`EngineArgs.check_quantization`), executors (`registry.choose_decode_executor`:
 the fused and compiled steps decline a model with `QuantLinear`s).
@@ -17,12 +23,19 @@ import logging
 from collections.abc import Iterable, Iterator
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from arborlm.runtime.config import ModelConfig
+from arborlm.runtime.distributed.shard import TPShard
+from arborlm.runtime.models.gguf.files import find_gguf_file, open_gguf
 from arborlm.runtime.models.gguf.tensors import PackedRows
 from arborlm.runtime.models.llama import STACKED_LINEARS
-from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear, quantize_linears
+from arborlm.runtime.platforms.cpu.quant_linear import (
+    PACKED_TYPES,
+    QuantLinear,
+    quantize_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +45,30 @@ def has_quant_linears(model: nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in model.modules())
 
 
+# The llama.cpp names of the row-parallel linears (o_proj, down_proj).
+_ROW_PARALLEL_GGUF = (".attn_output.weight", ".ffn_down.weight")
+
+
+def check_tp_blocks(config: ModelConfig, quantization: str, shard: TPShard) -> None:
+    """`ModelLoadError` naming the tp size and the block size when `shard`'s row-parallel
+    inputs would cut a block of the packed type they compute from: `quantization`'s type, or
+    for `gguf` each type the file packs its o/down projections in (a type `QuantLinear` cannot
+    compute from is decoded to float and does not count)."""
+    if shard.size == 1:
+        return
+    if quantization == "gguf":
+        reader = open_gguf(find_gguf_file(config.path))
+        types = {t.tensor_type for t in reader.tensors
+                 if t.name.endswith(_ROW_PARALLEL_GGUF) and t.tensor_type in PACKED_TYPES}
+    else:
+        types = {GGMLQuantizationType[quantization.upper()]}
+    for qtype in sorted(types, key=lambda t: -GGML_QUANT_SIZES[t][0]):
+        shard.check_blocks(GGML_QUANT_SIZES[qtype][0], qtype.name)
+
+
 def quantize_decoder(model: nn.Module, qtype: GGMLQuantizationType) -> int:
-    """Quantize the decoder layers' linears of a loaded model to `qtype`; returns how many."""
+    """Quantize the decoder layers' linears of a loaded model (this rank's shard of them) to
+    `qtype`; returns how many."""
     count = quantize_linears(model.model.layers, qtype)
     logger.info("%d decoder linears quantized to %s", count, qtype.name)
     return count
@@ -43,7 +78,8 @@ def keep_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Pa
                 dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """Consume the stream `weights`, install its `PackedRows` in `model` as `QuantLinear`s, and
     return the float tensors left for `model.load_weights` (biases, norms, embedding, and the
-    parts of a stacked linear whose types differ, decoded to `dtype`)."""
+    parts of a stacked linear whose types differ, decoded to `dtype`; whole tensors, which
+    `load_weights` shards). A `QuantLinear` holds `model.shard`'s blocks of its weight."""
     packed: dict[str, PackedRows] = {}
     floats: list[tuple[str, torch.Tensor]] = []
     for name, tensor in weights:
@@ -57,7 +93,8 @@ def keep_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Pa
         if not rows:
             continue
         if len(rows) == len(parts) and len({r.qtype for r in rows}) == 1 \
-                and _install(model, module_name, rows):
+                and _install(model, module_name, [_shard_of(model.shard, p, r)
+                                                  for p, r in zip(parts, rows)]):
             installed += 1
             continue
         logger.info("%s: parts of types %s are not stacked as blocks (or misshapen); decoded to %s",
@@ -75,6 +112,13 @@ def _linear_parts(model: nn.Module) -> Iterator[tuple[str, tuple[str, ...]]]:
             continue
         parent, _, leaf = name.rpartition(".")
         yield name, tuple(f"{parent}.{p}" for p in STACKED_LINEARS.get(leaf, (leaf,)))
+
+
+def _shard_of(shard: TPShard, name: str, rows: PackedRows) -> PackedRows:
+    """This rank's blocks of the packed linear weight `name`."""
+    block, type_size = GGML_QUANT_SIZES[rows.qtype]
+    blocks = shard.take_packed(name, rows.blocks, block, type_size)  # [out part, row bytes]
+    return PackedRows(blocks, rows.qtype, blocks.shape[1] // type_size * block)
 
 
 def _install(model: nn.Module, module_name: str, rows: list[PackedRows]) -> bool:
