@@ -425,7 +425,7 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
         assert torch.equal(_mask(matcher), before)
         return out
 
-    real_verify = speculator.NgramSpeculator.verify
+    real_verify = speculator.Speculator.verify
 
     def checked_verify(self, batch, logits):
         for req, d in zip(batch.reqs, batch.draft_ids):
@@ -438,7 +438,7 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
 
     monkeypatch.setattr(ngram.NgramIndex, "draft", adversary)
     monkeypatch.setattr(speculator, "fit_draft", checked_fit)
-    monkeypatch.setattr(speculator.NgramSpeculator, "verify", checked_verify)
+    monkeypatch.setattr(speculator.Speculator, "verify", checked_verify)
     spec, info = _run(path, PROMPTS[:3], params, spec=True,
                       engine={"speculative_num_draft_tokens": 6})
     assert oracle and verified and bad not in verified
