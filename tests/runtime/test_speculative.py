@@ -128,6 +128,27 @@ def test_greedy_alone_and_batched_equal_plain(make_tiny_model, monkeypatch, arch
     assert alone[0]["output_ids"] == plain[0]["output_ids"]
 
 
+@pytest.mark.parametrize("engine", [{}, {"quantization": "q8_0"}], ids=["fused", "eager"])
+def test_verify_rows_over_long_shared_prefixes_equal_plain(make_tiny_model, monkeypatch, engine):
+    """A verify step runs as decode rows, several per request (`ScheduledBatch._verify_rows`).
+    Past 64 tokens those rows, and requests sharing a cached prefix, form cascade groups; with
+    `quantization` the decode runs eagerly through the CPU attention backend and its decode
+    workspace, which a batch repeating a request must not continue. Outputs and logprobs
+    equal plain decoding's."""
+    path = str(make_tiny_model("llama"))
+    shared = [(17 * i) % 280 + 9 for i in range(70)]
+    prompts = [shared + [(5 * i + j) % 250 + 7 for i in range(4 + j)] for j in range(3)]
+    prompts.append([(3 * i) % 290 + 11 for i in range(90)])
+    params = [dict(GREEDY, max_new_tokens=20)] * len(prompts)
+    kw = {"return_logprob": True, "engine": engine}
+    plain, spec, info = _plain_and_spec(monkeypatch, path, prompts, params, **kw)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
+    for a, b in zip(plain, spec):
+        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert all(abs(x[0] - y[0]) <= 1e-5 for x, y in zip(la, lb))
+
+
 def test_logprobs_equal_plain(make_tiny_model, monkeypatch):
     path = str(make_tiny_model("llama"))
     params = [dict(GREEDY, max_new_tokens=20)] * 2

@@ -6,14 +6,15 @@ as many tokens as the target's (`ModelRunner._pool_slots` sizes the target's poo
 fit the memory budget). Each request drafting has a `DraftCache`: its row and the tokens whose
 KV the draft pool holds, positions 0.. in order.
 
-A draft of k tokens for a batch of requests is one eager extend of each request's tokens the
-draft cache lacks (at least its newest token; its whole prompt the first time), whose last
-logits give the first draft token by argmax, then k - 1 greedy decode steps (one C++ call on
-CPU where the decode executor runs steps ahead). The cache then holds the request's tokens and
-its first k - 1 draft tokens. After verification the request's tokens are its old ones, the
-accepted drafts and the bonus token: the next draft keeps the cache's longest common prefix with
-them (the accepted drafts' KV), frees the slots past it and extends from there, so the bonus
-token (and a fully accepted draft's last token) is fed then. A guard rollback or a retraction
+A draft of k tokens for a batch of requests is one forward of each request's tokens the draft
+cache lacks (at least its newest token; its whole prompt the first time, as an extend; a few
+tokens as decode rows), whose last logits give the first draft token by argmax, then k - 1
+greedy decode steps (one C++ call on CPU where the decode executor runs steps ahead). The cache
+then holds the request's tokens and its first k - 1 draft tokens. After verification the
+request's tokens are its old ones, the accepted drafts and the bonus token: the next draft keeps
+the cache's longest common prefix with them (the accepted drafts' KV), frees the slots past it
+and extends from there, so the bonus token (and a fully accepted draft's last token) is fed
+then. A guard rollback or a retraction
 is handled the same way: whatever no longer matches the request's tokens is dropped.
 
 When the draft pool or its rows run short, the caches of requests not in the step (retracted,
@@ -39,6 +40,10 @@ from arborlm.runtime.request import Req
 from arborlm.runtime.scheduler.in_batch_prefix import common_prefix_len
 
 logger = logging.getLogger(__name__)
+
+# An extend of at most this many tokens per request runs as decode rows, one per token (as a
+# verify step does: `ScheduledBatch._verify_rows`); a longer one (a prompt) as an extend.
+MAX_ROWS_PER_REQUEST = 16
 
 
 @dataclass
@@ -186,8 +191,13 @@ class DraftModel:
             ext.append(len(new))
             ends.append(len(ids) - 1)
             cache.tokens.extend(new)
-        seq_lens = [p + e for p, e in zip(prefix, ext)]
-        batch = self._batch(ForwardMode.EXTEND, work, ids, positions, seq_lens, torch.cat(out),
+        if max(ext) <= MAX_ROWS_PER_REQUEST:  # as decode rows, as a verify step runs
+            rows = [cache.row for (_, cache, _), e in zip(work, ext) for _ in range(e)]
+            batch = self._batch(ForwardMode.DECODE, rows, ids, positions,
+                                [q + 1 for q in positions], torch.cat(out))
+            return self.runner.forward(batch)[ends].argmax(-1).tolist()
+        batch = self._batch(ForwardMode.EXTEND, [cache.row for _, cache, _ in work], ids,
+                            positions, [p + e for p, e in zip(prefix, ext)], torch.cat(out),
                             logits_rows=ends)
         batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu = prefix, ext
         return self.runner.forward(batch).argmax(-1).tolist()
@@ -201,14 +211,15 @@ class DraftModel:
         for (_, cache, _), n, own in zip(work, lens, slots):
             self.req_pool.write(cache.row, n, own)
         slots = slots.t().contiguous()  # [steps, requests]
-        batch = self._batch(ForwardMode.DECODE, work, first, lens, [n + 1 for n in lens],
+        rows = [cache.row for _, cache, _ in work]
+        batch = self._batch(ForwardMode.DECODE, rows, first, lens, [n + 1 for n in lens],
                             slots[0])
         if steps > 1 and self.runner.can_run_ahead(batch):
             tokens = self.runner.run_ahead(batch, slots).tolist()
         else:
             tokens, feed = [], first
             for s in range(steps):
-                batch = self._batch(ForwardMode.DECODE, work, feed, [n + s for n in lens],
+                batch = self._batch(ForwardMode.DECODE, rows, feed, [n + s for n in lens],
                                     [n + s + 1 for n in lens], slots[s])
                 feed = self.runner.forward(batch).argmax(-1).tolist()
                 tokens.append(feed)
@@ -217,14 +228,12 @@ class DraftModel:
             cache.tokens.extend(row[j] for row in fed)
         return tokens
 
-    def _batch(self, mode: ForwardMode, work: list[tuple[int, DraftCache, list[int]]],
-               ids: list[int], positions: list[int], seq_lens: list[int],
-               out_cache_loc: torch.Tensor, logits_rows: list[int] | None = None
-               ) -> ForwardBatch:
+    def _batch(self, mode: ForwardMode, rows: list[int], ids: list[int], positions: list[int],
+               seq_lens: list[int], out_cache_loc: torch.Tensor,
+               logits_rows: list[int] | None = None) -> ForwardBatch:
         device = self.runner.device
-        rows = [cache.row for _, cache, _ in work]
         return ForwardBatch(
-            mode=mode, batch_size=len(work),
+            mode=mode, batch_size=len(rows),
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
