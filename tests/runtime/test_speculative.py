@@ -483,3 +483,50 @@ def test_forced_runs_are_drafts_without_jump_forward(make_tiny_model):
     spec, info = _run(path, PROMPTS[:2], params, spec=True, engine=engine)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert info["spec_grammar_forced_tokens"] > 0 and info["spec_accepted_tokens"] > 0
+
+
+def test_a_drafted_duplicate_rolled_back_inside_the_verified_run(make_tiny_model, monkeypatch):
+    """A drafter that proposes, after each element of a uniqueItems array, `", "` and an
+    element already in it: the grammar allows the digit (the semantic guard only rejects the
+    token that closes the value), so the target verifies it; where the target samples it too,
+    the `,` or `]` after it makes the guard roll the value back (`req.rewind_to`) inside the
+    verified run, and the request rewinds after the step. Outputs equal plain decoding's.
+    (Jump-forward is off on both sides: on, it appends each `", "` and the extend that computes
+    it samples the next element, so no decode step would draft there.)"""
+    from arborlm.runtime.speculative import speculator
+
+    path = str(make_tiny_model("llama"))
+    bracket, comma, space = 64, 17, 226  # the tiny tokenizer's "[", "," and " "
+    digits = range(21, 31)  # "0" to "9"
+    schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9},
+                         "minItems": 4, "maxItems": 4, "uniqueItems": True})
+    params = [dict(GREEDY, max_new_tokens=60, json_schema=schema)] * 4
+    engine = {"disable_jump_forward": True, "num_continuous_decode_steps": 1}
+    plain, plain_info = _run(path, PROMPTS, params, spec=False, engine=engine)
+    assert plain_info["grammar_guard_rollbacks"] > 0
+
+    def duplicate(self, tokens, k):
+        if k <= 0 or tokens[-1] not in digits or bracket not in tokens:
+            return []
+        start = len(tokens) - tokens[::-1].index(bracket)
+        seen = [t for t in tokens[start:] if t in digits]
+        return [comma, space, seen[len(tokens) % len(seen)]][:k]
+
+    inside = []
+    real_verify = speculator.Speculator.verify
+
+    def verify(self, batch, logits):
+        computed = real_verify(self, batch, logits)
+        inside.extend(r.rewind_to for r, n in zip(batch.reqs, computed)
+                      if n > 1 and r.rewind_to is not None)
+        return computed
+
+    monkeypatch.setattr(ngram.NgramIndex, "draft", duplicate)
+    monkeypatch.setattr(speculator.Speculator, "verify", verify)
+    spec, info = _run(path, PROMPTS, params, spec=True, engine=engine)
+    assert inside, "no rollback inside a verified run: the test shows nothing"
+    assert info["spec_accepted_tokens"] > 0 and info["grammar_guard_rollbacks"] > 0
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    for o in spec:
+        assert len(set(json.loads(o["text"]))) == 4
