@@ -84,6 +84,19 @@ def test_greedy_alone_and_batched_equal_plain(make_tiny_model, drafts, kind):
         assert accepted < drafted / 2
 
 
+def test_flush_cache_between_requests(make_tiny_model, drafts):
+    """`flush_cache` (the benchmark's between requests) with a draft model: the same output
+    before and after, every draft cache freed."""
+    path = str(make_tiny_model("llama"))
+    with Engine(path, dtype="float32", debug_integrity=True, speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=drafts["self"]) as e:
+        first = e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert e.flush_cache()[0]
+        second = e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert first["output_ids"] == second["output_ids"]
+    assert second["meta_info"]["spec_verify_ct"] > 0
+
+
 def test_logprobs_equal_plain(make_tiny_model, drafts):
     path = str(make_tiny_model("llama"))
     params = [dict(GREEDY, max_new_tokens=20)] * 2

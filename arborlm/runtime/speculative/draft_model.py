@@ -102,6 +102,9 @@ class DraftModel:
             self._truncate(cache, 0)
             self.req_pool.free(cache.row)
 
+    def reset(self) -> None:
+        """Nothing outlives its request here: each cache goes with its request (`release`)."""
+
     def check_integrity(self) -> None:
         """With no request holding a cache, every slot and row of the draft pool is free."""
         assert not self.caches, f"draft caches held while idle: {len(self.caches)}"
