@@ -7,15 +7,17 @@ cache). Both propose point masses, so verification is the same for either.
 
 A decode step of the running requests (`DecodeScheduler.schedule`) becomes, when some of them
 have drafts, a verify step: an extend of each request's newest token followed by its draft
-(`ScheduledBatch.draft_ids`), with logits at every new position. Verification then samples
+(`ScheduledBatch.draft_ids`), with logits at every new position (run as a decode step of one
+row per token: `ScheduledBatch._verify_rows`). Verification then samples
 position after position through the ordinary path (`ResultProcessor.sample_next`: penalties,
 bias, bans, the grammar mask and guard, the seeded sampler, logprobs, stop checks,
 jump-forward), and a request keeps going while the token it sampled equals its next draft
 token. So what a request appends is exactly what plain decoding appends, for greedy and for
-sampling alike: an n-gram draft is a point mass q, and sampling t ~ p then accepting when t is
-the draft is rejection sampling with acceptance probability p(draft), whose rejected branch is
-p without the draft, renormalized. The seeded sampler draws by (seed, output position), so
-even the tokens of a seeded request are those of plain decoding. The last position sampled
+sampling alike: a draft (n-gram, or a draft model's greedy one) is a point mass q, and
+sampling t ~ p then accepting when t is the draft is rejection sampling with acceptance
+probability p(draft), whose rejected branch is p without the draft, renormalized. The seeded
+sampler draws by (seed, output position), so even the tokens of a seeded request are those of
+plain decoding. The last position sampled
 gives the bonus token; the KV slots of the rejected drafts go back to the pool
 (`DecodeScheduler.after_verify`).
 
@@ -58,9 +60,9 @@ from arborlm.runtime.speculative.ngram import NgramDrafter
 # steps, at most MAX_BACKOFF_STEPS.
 FAILURES_BEFORE_BACKOFF = 2
 MAX_BACKOFF_STEPS = 64
-# A verify step runs as an eager extend, which costs more per row than a decode step through
-# the decode executor: a step verifies only when its drafts hold at least this many tokens per
-# request of the batch (always, for a lone request with a draft).
+# A verify step costs more than a plain decode step of the same requests (more rows): a step
+# verifies only when its drafts hold at least this many tokens per request of the batch
+# (always, for a lone request with a draft).
 MIN_DRAFT_TOKENS_PER_REQUEST = 1
 
 
