@@ -17,9 +17,8 @@ sampling alike: a draft (n-gram, or a draft model's greedy one) is a point mass 
 sampling t ~ p then accepting when t is the draft is rejection sampling with acceptance
 probability p(draft), whose rejected branch is p without the draft, renormalized. The seeded
 sampler draws by (seed, output position), so even the tokens of a seeded request are those of
-plain decoding. The last position sampled
-gives the bonus token; the KV slots of the rejected drafts go back to the pool
-(`DecodeScheduler.after_verify`).
+plain decoding. The last position sampled gives the bonus token; the KV slots of the rejected
+drafts go back to the pool (`DecodeScheduler.after_verify`).
 
 Grammar-aware drafting: a request with a grammar has its draft cut before the first token the
 grammar (or its semantic guard) rejects, and extended by the tokens the grammar forces after
