@@ -1,4 +1,4 @@
-"""Speculative decoding (NGRAM prompt lookup) on the real default model, batch 1.
+"""Speculative decoding (NGRAM prompt lookup, or STANDALONE) on the real default model, batch 1.
 
 Workloads that copy from their prompt (rewrite a JSON object with one field changed; extract a
 text's fields into a JSON schema, constrained; repeat a code snippet with one rename) and one
@@ -9,9 +9,13 @@ output tokens/s of each (whole request: prefill included, the same on both sides
 and the acceptance length (`meta_info.spec_accept_length`: tokens appended per verify). Both
 engines' caches are flushed before each request (prefix cache, and the server-wide n-gram cache
 that would otherwise draft a repeat from the run before). The outputs of both sides must be
-identical; a difference is reported and fails the run.
+identical; a difference is reported and fails the run. `--algorithm STANDALONE` drafts with
+`--draft-model` (default: the default model itself, drafting for itself: a measure of the
+machinery's cost at full acceptance, not a speed-up, as the draft costs what the target does)
+up to `--draft-tokens` per step.
 
     python benchmarks/speculative.py [--repeats 3] [--max-new-tokens 160] [--draft-tokens 8]
+        [--algorithm NGRAM|STANDALONE] [--draft-model PATH]
 """
 
 from __future__ import annotations
@@ -90,12 +94,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument("--algorithm", choices=("NGRAM", "STANDALONE"), default="NGRAM")
+    ap.add_argument("--draft-model", default=None)
     args = ap.parse_args()
     from arborlm import Engine
+    from arborlm.runtime.models.builtin import resolve_model_path
 
     plain = Engine()
-    spec = Engine(speculative_algorithm="NGRAM",
-                  speculative_num_draft_tokens=args.draft_tokens)
+    if args.algorithm == "NGRAM":
+        spec = Engine(speculative_algorithm="NGRAM",
+                      speculative_num_draft_tokens=args.draft_tokens)
+    else:
+        spec = Engine(speculative_algorithm="STANDALONE", speculative_num_steps=args.draft_tokens,
+                      speculative_draft_model_path=args.draft_model or resolve_model_path(None))
     rows, mismatches = [], []
     try:
         for name, (text, schema) in WORKLOADS.items():
@@ -126,7 +137,7 @@ def main() -> None:
     finally:
         plain.shutdown()
         spec.shutdown()
-    print(table(rows, ("workload", "tokens", "plain tok/s", "NGRAM tok/s", "speed-up",
+    print(table(rows, ("workload", "tokens", "plain tok/s", f"{args.algorithm} tok/s", "speed-up",
                        "accept len", "verifies")))
     if mismatches:
         sys.exit(f"outputs differ with speculation on: {mismatches}")

@@ -91,6 +91,7 @@ DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
 
 class SpeculativeAlgorithm(enum.StrEnum):
     NGRAM = "NGRAM"
+    STANDALONE = "STANDALONE"
 
 
 # Limits on the speculative options.
@@ -208,12 +209,21 @@ class EngineArgs:
         default=False)
     speculative_algorithm: str | None = option(
         "Speculative decoding: NGRAM drafts tokens from n-gram matches in each request's own "
-        "prompt and output (prompt lookup) and verifies them in one forward; outputs equal "
-        "plain decoding's. A request's grammar cuts its drafts where it rejects them and "
-        "extends them by the tokens it forces. Needs page_size 1. Default: off.", default=None)
+        "prompt and output (prompt lookup); STANDALONE drafts them greedily with a smaller "
+        "model of the same tokenizer (speculative_draft_model_path). Drafts are verified in "
+        "one forward; outputs equal plain decoding's. A request's grammar cuts its drafts "
+        "where it rejects them and extends them by the tokens it forces. Needs page_size 1. "
+        "Default: off.", default=None)
     speculative_num_draft_tokens: int = option(
         "Most draft tokens per request per verify step (each request's draft length adapts "
         "to its acceptance below this).", default=8)
+    speculative_draft_model_path: str | None = option(
+        "STANDALONE: the draft model (a Hugging Face directory, a .gguf file or a built-in "
+        "name), with the target's vocabulary. Its KV pool holds as many tokens as the "
+        "target's, and both share the memory budget.", default=None)
+    speculative_num_steps: int = option(
+        "STANDALONE: most tokens the draft model drafts per request per verify step (one "
+        "draft forward each; the draft length adapts to acceptance below this).", default=4)
     speculative_ngram_min_match_window_size: int = option(
         "NGRAM: the shortest suffix of a request's tokens that must recur to draft from it.",
         default=1)
@@ -263,7 +273,7 @@ class EngineArgs:
             raise InvalidRequestError("grammar_compile_timeout must be > 0 seconds",
                                       "grammar_compile_timeout")
         self.check_parallel()
-        self._check_speculative()
+        draft_model = self._check_speculative(model)
         self.check_quantization(model)
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk != -1 and chunk < self.page_size:
@@ -271,7 +281,8 @@ class EngineArgs:
                                       "chunked_prefill_size")
         return EngineConfig(args=self, model=model, attention_backend=backend,
                             tokenizer_path=self.tokenizer_path or model_path,
-                            deterministic=self._deterministic(model, backend))
+                            deterministic=self._deterministic(model, backend),
+                            draft_model=draft_model)
 
     def check_parallel(self) -> None:
         """`InvalidRequestError` for tensor-parallel and multi-node options that cannot hold."""
@@ -289,9 +300,15 @@ class EngineArgs:
         if not self.dist_timeout > 0:
             raise InvalidRequestError("dist_timeout must be > 0 seconds", "dist_timeout")
 
-    def _check_speculative(self) -> None:
+    def _check_speculative(self, model: ModelConfig) -> ModelConfig | None:
+        """`InvalidRequestError` for speculative options that cannot hold; the draft model's
+        configuration with STANDALONE."""
         if self.speculative_algorithm is None:
-            return
+            if self.speculative_draft_model_path is not None:
+                raise InvalidRequestError("speculative_draft_model_path needs "
+                                          "speculative_algorithm STANDALONE",
+                                          "speculative_draft_model_path")
+            return None
         check_choice(SpeculativeAlgorithm, self.speculative_algorithm, "speculative_algorithm")
         if self.page_size != 1:
             raise InvalidRequestError("speculative decoding needs page_size 1", "page_size")
@@ -306,6 +323,40 @@ class EngineArgs:
                 "speculative_ngram_min_match_window_size and "
                 "speculative_ngram_max_match_window_size must satisfy 1 <= min <= max <= "
                 f"{MAX_NGRAM_WINDOW}", "speculative_ngram_max_match_window_size")
+        if self.speculative_algorithm != SpeculativeAlgorithm.STANDALONE:
+            if self.speculative_draft_model_path is not None:
+                raise InvalidRequestError("speculative_draft_model_path needs "
+                                          "speculative_algorithm STANDALONE",
+                                          "speculative_draft_model_path")
+            return None
+        return self._draft_model(model)
+
+    def _draft_model(self, model: ModelConfig) -> ModelConfig:
+        """STANDALONE's draft model configuration, refused where its vocabulary or length
+        cannot serve `model`'s requests (the tokenizers themselves are compared when the
+        draft model loads: `speculative.draft_model`)."""
+        from arborlm.runtime.models.builtin import resolve_model_path
+
+        if not 1 <= self.speculative_num_steps <= MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(
+                f"speculative_num_steps must be in [1, {MAX_DRAFT_TOKENS}]",
+                "speculative_num_steps")
+        if self.speculative_draft_model_path is None:
+            raise InvalidRequestError("speculative_algorithm STANDALONE needs "
+                                      "speculative_draft_model_path",
+                                      "speculative_draft_model_path")
+        if self.tp_size != 1:
+            raise InvalidRequestError("speculative_algorithm STANDALONE runs with tp_size 1",
+                                      "tp_size")
+        path = resolve_model_path(self.speculative_draft_model_path)
+        draft = ModelConfig.from_path(path, self.dtype, model.context_length)
+        if draft.vocab_size != model.vocab_size:
+            raise InvalidRequestError(
+                f"the draft model's vocabulary ({draft.vocab_size} tokens, "
+                f"{self.speculative_draft_model_path}) differs from the target model's "
+                f"({model.vocab_size} tokens): a draft model must share the target's tokenizer",
+                "speculative_draft_model_path")
+        return draft.replace(dtype=model.dtype)
 
     def check_quantization(self, model: ModelConfig) -> None:
         """`InvalidRequestError` naming `quantization` where it cannot apply to this engine."""
@@ -373,6 +424,7 @@ class EngineConfig:
     attention_backend: str
     tokenizer_path: str
     deterministic: bool = False  # enable_deterministic_inference, resolved (see `EngineArgs`)
+    draft_model: ModelConfig | None = None  # speculative_algorithm STANDALONE's draft model
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,10 @@ class ModelRunner:
         args, mc = self.config.args, self.config.model
         per_token = KVPool.bytes_per_token(mc.num_layers, self.shard.num_kv_heads, mc.head_dim,
                                            mc.dtype)
+        draft = self.config.draft_model
+        if draft is not None:  # the draft model's pool holds as many tokens, in the same budget
+            per_token += KVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads,
+                                                draft.head_dim, draft.dtype)
         if args.max_total_tokens is not None:
             if args.max_total_tokens < 2 * self.page_size:
                 raise InvalidRequestError(

@@ -72,3 +72,28 @@ def test_schema_stop_and_logprobs_equal_plain(smollm2_engine, spec_engine):
                 la = a["meta_info"]["output_token_logprobs"]
                 lb = b["meta_info"]["output_token_logprobs"]
                 assert all(abs(x[0] - y[0]) <= 1e-5 and x[1] == y[1] for x, y in zip(la, lb))
+
+
+def test_standalone_self_draft_equals_plain(smollm2_gguf, smollm2_engine):
+    """STANDALONE with the model drafting for itself (its own runner and KV pool): outputs equal
+    plain decoding's, alone, batched and with a JSON schema, and nearly every draft token is
+    accepted."""
+    prompts = _prompts(smollm2_engine.tokenizer)
+    params = [dict(GREEDY, max_new_tokens=40)] * len(prompts)
+    schema = json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "city": {"type": "string"}}, "required": ["name", "city"]})
+    constrained = dict(GREEDY, max_new_tokens=40, json_schema=schema)
+    plain = smollm2_engine.generate(input_ids=prompts, sampling_params=params)
+    plain_schema = smollm2_engine.generate(input_ids=prompts[0], sampling_params=constrained)
+    with Engine(str(smollm2_gguf), speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=str(smollm2_gguf), speculative_num_steps=4,
+                debug_integrity=True) as e:
+        spec = e.generate(input_ids=prompts, sampling_params=params)
+        alone = e.generate(input_ids=prompts[1], sampling_params=params[1])
+        spec_schema = e.generate(input_ids=prompts[0], sampling_params=constrained)
+        info = e.get_server_info()
+    assert _ids(spec) == _ids(plain)
+    assert alone["output_ids"] == plain[1]["output_ids"]
+    assert spec_schema["output_ids"] == plain_schema["output_ids"]
+    assert alone["meta_info"]["spec_accept_length"] > 3.0
+    assert info["spec_accepted_tokens"] >= 0.9 * info["spec_draft_tokens"] > 0

@@ -128,6 +128,27 @@ def test_greedy_alone_and_batched_equal_plain(make_tiny_model, monkeypatch, arch
     assert alone[0]["output_ids"] == plain[0]["output_ids"]
 
 
+@pytest.mark.parametrize("engine", [{}, {"quantization": "q8_0"}], ids=["fused", "eager"])
+def test_verify_rows_over_long_shared_prefixes_equal_plain(make_tiny_model, monkeypatch, engine):
+    """A verify step runs as decode rows, several per request (`ScheduledBatch._verify_rows`).
+    Past 64 tokens those rows, and requests sharing a cached prefix, form cascade groups; with
+    `quantization` the decode runs eagerly through the CPU attention backend and its decode
+    workspace, which a batch repeating a request must not continue. Outputs and logprobs
+    equal plain decoding's."""
+    path = str(make_tiny_model("llama"))
+    shared = [(17 * i) % 280 + 9 for i in range(70)]
+    prompts = [shared + [(5 * i + j) % 250 + 7 for i in range(4 + j)] for j in range(3)]
+    prompts.append([(3 * i) % 290 + 11 for i in range(90)])
+    params = [dict(GREEDY, max_new_tokens=20)] * len(prompts)
+    kw = {"return_logprob": True, "engine": engine}
+    plain, spec, info = _plain_and_spec(monkeypatch, path, prompts, params, **kw)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
+    for a, b in zip(plain, spec):
+        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert all(abs(x[0] - y[0]) <= 1e-5 for x, y in zip(la, lb))
+
+
 def test_logprobs_equal_plain(make_tiny_model, monkeypatch):
     path = str(make_tiny_model("llama"))
     params = [dict(GREEDY, max_new_tokens=20)] * 2
@@ -425,7 +446,7 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
         assert torch.equal(_mask(matcher), before)
         return out
 
-    real_verify = speculator.NgramSpeculator.verify
+    real_verify = speculator.Speculator.verify
 
     def checked_verify(self, batch, logits):
         for req, d in zip(batch.reqs, batch.draft_ids):
@@ -438,7 +459,7 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
 
     monkeypatch.setattr(ngram.NgramIndex, "draft", adversary)
     monkeypatch.setattr(speculator, "fit_draft", checked_fit)
-    monkeypatch.setattr(speculator.NgramSpeculator, "verify", checked_verify)
+    monkeypatch.setattr(speculator.Speculator, "verify", checked_verify)
     spec, info = _run(path, PROMPTS[:3], params, spec=True,
                       engine={"speculative_num_draft_tokens": 6})
     assert oracle and verified and bad not in verified
@@ -462,3 +483,50 @@ def test_forced_runs_are_drafts_without_jump_forward(make_tiny_model):
     spec, info = _run(path, PROMPTS[:2], params, spec=True, engine=engine)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert info["spec_grammar_forced_tokens"] > 0 and info["spec_accepted_tokens"] > 0
+
+
+def test_a_drafted_duplicate_rolled_back_inside_the_verified_run(make_tiny_model, monkeypatch):
+    """A drafter that proposes, after each element of a uniqueItems array, `", "` and an
+    element already in it: the grammar allows the digit (the semantic guard only rejects the
+    token that closes the value), so the target verifies it; where the target samples it too,
+    the `,` or `]` after it makes the guard roll the value back (`req.rewind_to`) inside the
+    verified run, and the request rewinds after the step. Outputs equal plain decoding's.
+    (Jump-forward is off on both sides: on, it appends each `", "` and the extend that computes
+    it samples the next element, so no decode step would draft there.)"""
+    from arborlm.runtime.speculative import speculator
+
+    path = str(make_tiny_model("llama"))
+    bracket, comma, space = 64, 17, 226  # the tiny tokenizer's "[", "," and " "
+    digits = range(21, 31)  # "0" to "9"
+    schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9},
+                         "minItems": 4, "maxItems": 4, "uniqueItems": True})
+    params = [dict(GREEDY, max_new_tokens=60, json_schema=schema)] * 4
+    engine = {"disable_jump_forward": True, "num_continuous_decode_steps": 1}
+    plain, plain_info = _run(path, PROMPTS, params, spec=False, engine=engine)
+    assert plain_info["grammar_guard_rollbacks"] > 0
+
+    def duplicate(self, tokens, k):
+        if k <= 0 or tokens[-1] not in digits or bracket not in tokens:
+            return []
+        start = len(tokens) - tokens[::-1].index(bracket)
+        seen = [t for t in tokens[start:] if t in digits]
+        return [comma, space, seen[len(tokens) % len(seen)]][:k]
+
+    inside = []
+    real_verify = speculator.Speculator.verify
+
+    def verify(self, batch, logits):
+        computed = real_verify(self, batch, logits)
+        inside.extend(r.rewind_to for r, n in zip(batch.reqs, computed)
+                      if n > 1 and r.rewind_to is not None)
+        return computed
+
+    monkeypatch.setattr(ngram.NgramIndex, "draft", duplicate)
+    monkeypatch.setattr(speculator.Speculator, "verify", verify)
+    spec, info = _run(path, PROMPTS, params, spec=True, engine=engine)
+    assert inside, "no rollback inside a verified run: the test shows nothing"
+    assert info["spec_accepted_tokens"] > 0 and info["grammar_guard_rollbacks"] > 0
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    for o in spec:
+        assert len(set(json.loads(o["text"]))) == 4

@@ -54,3 +54,20 @@ def test_server_speculation_equals_plain_decoding(model, plain):
         bad = http.post("/generate", json={"text": "x", "sampling_params": {
             "max_new_tokens": -1}})
         assert bad.status_code == 400
+
+
+def test_server_standalone_draft_model_equals_plain_decoding(model, plain):
+    """STANDALONE in the scheduler process: the model drafting for itself, outputs equal plain
+    decoding's and (float32, the same model) every draft token is accepted."""
+    with running_server(model, "--dtype", "float32", "--speculative-algorithm", "STANDALONE",
+                        "--speculative-draft-model-path", model, "--speculative-num-steps", "3",
+                        "--debug-integrity") as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        r = http.post("/generate", json={"text": PROMPTS, "sampling_params": PARAMS})
+        assert r.status_code == 200, r.text
+        outs = r.json()
+        assert [o["output_ids"] for o in outs] == plain
+        assert all(o["meta_info"]["spec_accept_length"] > 3.0 for o in outs)
+        info = wait_idle(http)
+        assert info["spec_accepted_tokens"] == info["spec_draft_tokens"] > 0
+        assert info.get("integrity_ok", True)

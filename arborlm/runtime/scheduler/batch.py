@@ -5,8 +5,9 @@ The logits plan lists, per request, which of its new positions need logits: the 
 next token's input logprob was asked for (`logprob_start_len`), and the last position when the
 next token is sampled. A verify step of speculative decoding (`draft_ids` set) is an EXTEND of
 each request's newest token followed by its draft tokens, with logits at every new position
-(`arborlm.runtime.speculative`). DECODE runs one token per request, `fill_ids[prefix_lens[i]]`, and
-keeps the logits of every row.
+(`arborlm.runtime.speculative`); its ForwardBatch is a DECODE of one row per new token (see
+`_verify_rows`). DECODE runs one token per request, `fill_ids[prefix_lens[i]]`, and keeps the
+logits of every row.
 
 The batch carries everything the later phases of the step read (its phase, its KV slots, the
 logits plan); it is built once, complete, by `prefill.py` or `decode.py`. It neither allocates
@@ -70,6 +71,8 @@ class ScheduledBatch:
 
     def to_forward_batch(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
                          device: str) -> ForwardBatch:
+        if self.draft_ids is not None:
+            return self._verify_rows(req_to_token_pool, kv_pool, device)
         rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
         if self.mode.is_decode:
@@ -97,6 +100,34 @@ class ScheduledBatch:
             extend_seq_lens_cpu=[] if self.mode.is_decode else list(self.extend_lens),
             logits_indices=self._logits_indices(len(ids), device),
         )
+
+    def _verify_rows(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool,
+                     device: str) -> ForwardBatch:
+        """A verify step as a DECODE of one row per new token: request i's token at position
+        prefix_lens[i] + j is a row over the request's own `req_to_token` row, attending to the
+        positions up to its own. Every layer writes all rows' keys before any row attends
+        (`AttentionBackend.forward`, the fused CPU step), so each row sees the drafts before it
+        as an extend's causal mask would, and the logits come back one row per token, in the
+        order of `logits_rows`. The decode executors take it as one step, which costs far less
+        than an eager extend (docs/performance.md)."""
+        assert self.draft_ids is not None and not any(map(len, self.input_logprob_positions))
+        ids: list[int] = []
+        rows: list[int] = []
+        positions: list[int] = []
+        for r, p, e, draft in zip(self.reqs, self.prefix_lens, self.extend_lens, self.draft_ids):
+            ids.extend(r.fill_ids[p:p + e - len(draft)] + draft)
+            rows.extend([r.req_pool_idx] * e)
+            positions.extend(range(p, p + e))
+        assert len(self.logits_rows) == len(ids), "a verify step keeps every row's logits"
+        seq_lens = [q + 1 for q in positions]
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=len(ids),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            out_cache_loc=self.out_cache_loc.to(device),
+            req_to_token_pool=req_to_token_pool, kv_pool=kv_pool, seq_lens_cpu=seq_lens)
 
     def _logits_indices(self, num_tokens: int, device: str) -> torch.Tensor | None:
         """`logits_rows` for the forward; None when it keeps every row in order (decode)."""

@@ -69,7 +69,8 @@ class Scheduler:
                                         finish=self._finish, emit=self._emit)
         self.decode = DecodeScheduler(config, self.waiting, kv, self.results, self.stats,
                                       finish=self._finish, emit=self._emit)
-        self.speculator = create_speculator(config, kv, self.results, self.stats)
+        self.speculator = create_speculator(config, kv, self.results, self.stats,
+                                            tokenizer)
         self._outputs: list[ReqOutput] = []
         self._step_s = 0.0  # wall time of the last decode step (per step, when run ahead)
 
@@ -239,6 +240,7 @@ class Scheduler:
             f"KV slots leaked: free {free} + cached {cached} != total "
             f"{self.allocator.total_size}")
         assert self.req_pool.available_size() == self.req_pool.size, "req_to_token rows leaked"
+        self.speculator.check_integrity()
 
     def server_info(self) -> dict[str, Any]:
         running, waiting = self.num_requests()

@@ -12,7 +12,7 @@ It does not propose forced runs on their own when jump-forward is on: after ever
 token the result processor already appends them and computes their KV in one extend, so
 drafting them again would save nothing. It does not sample, mask logits or touch the KV pool;
 outputs stay those of plain decoding because verification samples every position with the
-grammar's mask (`NgramSpeculator.verify`).
+grammar's mask (`Speculator.verify`).
 """
 
 from __future__ import annotations

@@ -5,13 +5,21 @@ its latest occurrence that still has a token after it. A draft is what followed 
 earlier occurrence of the sequence's current suffix, trying the longest window first. Tokens
 are indexed incrementally as the sequence grows, so a lookup costs O(windows), not O(length).
 `SharedNgramCache` is the server-wide fallback: a bounded, least-recently-written map from the
-n-grams of finished requests' tokens to what followed them. It knows nothing of requests, the
-KV pool or verification (`speculator.py`).
+n-grams of finished requests' tokens to what followed them. `NgramDrafter` puts the two
+together as NGRAM's drafter: an index per request, the shared cache as the fallback. None of
+them knows the KV pool or verification (`speculator.py`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from arborlm.runtime.request import Req
+
+# The server-wide n-gram cache: n-grams of this many tokens (at least the min window), at most
+# this many entries (each a tuple of up to the longest draft's ids).
+SHARED_WINDOW = 3
+SHARED_CAPACITY = 200_000
 
 
 class NgramIndex:
@@ -77,3 +85,37 @@ class SharedNgramCache:
         if k <= 0 or len(tokens) < self.window:
             return []
         return list(self._next.get(tuple(tokens[-self.window:]), ())[:k])
+
+
+class NgramDrafter:
+    """NGRAM's drafts: from each request's own tokens (`NgramIndex`, n-grams of `min_window` to
+    `max_window` tokens), else from the n-grams of finished requests (`SharedNgramCache`)."""
+
+    def __init__(self, min_window: int, max_window: int, max_draft: int):
+        self.min_window = min_window
+        self.max_window = max_window
+        self.indexes: dict[Req, NgramIndex] = {}
+        self.shared = SharedNgramCache(max(SHARED_WINDOW, min_window), max_draft,
+                                       SHARED_CAPACITY)
+
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        return [self._draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+
+    def _draft(self, req: Req, k: int) -> list[int]:
+        index = self.indexes.get(req)
+        if index is None:
+            index = self.indexes[req] = NgramIndex(self.min_window, self.max_window)
+        tokens = req.fill_ids
+        return index.draft(tokens, k) or self.shared.draft(tokens, k)
+
+    def release(self, req: Req) -> None:
+        """A request finished: its tokens join the server-wide cache (unless aborted)."""
+        self.indexes.pop(req, None)
+        if req.output_ids and not (req.finished_reason and req.finished_reason.type == "abort"):
+            self.shared.add(req.fill_ids)
+
+    def reset(self) -> None:
+        self.shared.clear()
+
+    def check_integrity(self) -> None:
+        assert not self.indexes, f"n-gram indexes held while idle: {len(self.indexes)}"

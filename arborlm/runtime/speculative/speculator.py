@@ -1,21 +1,24 @@
-"""`NgramSpeculator`: draft tokens for a decode step and verify them in one target forward.
+"""`Speculator`: draft tokens for a decode step and verify them in one target forward.
 
-Drafts come from the request's own prompt and output (`NgramIndex`), else from the server-wide
-cache of finished requests' n-grams (`SharedNgramCache`).
+Drafts come from a drafter chosen at start-up: NGRAM's (`ngram.NgramDrafter`: the request's
+own prompt and output, else the server-wide cache of finished requests' n-grams) or
+STANDALONE's (`draft_model.DraftModel`: a smaller model drafting greedily from its own KV
+cache). Both propose point masses, so verification is the same for either.
 
 A decode step of the running requests (`DecodeScheduler.schedule`) becomes, when some of them
 have drafts, a verify step: an extend of each request's newest token followed by its draft
-(`ScheduledBatch.draft_ids`), with logits at every new position. Verification then samples
+(`ScheduledBatch.draft_ids`), with logits at every new position (run as a decode step of one
+row per token: `ScheduledBatch._verify_rows`). Verification then samples
 position after position through the ordinary path (`ResultProcessor.sample_next`: penalties,
 bias, bans, the grammar mask and guard, the seeded sampler, logprobs, stop checks,
 jump-forward), and a request keeps going while the token it sampled equals its next draft
 token. So what a request appends is exactly what plain decoding appends, for greedy and for
-sampling alike: an n-gram draft is a point mass q, and sampling t ~ p then accepting when t is
-the draft is rejection sampling with acceptance probability p(draft), whose rejected branch is
-p without the draft, renormalized. The seeded sampler draws by (seed, output position), so
-even the tokens of a seeded request are those of plain decoding. The last position sampled
-gives the bonus token; the KV slots of the rejected drafts go back to the pool
-(`DecodeScheduler.after_verify`).
+sampling alike: a draft (n-gram, or a draft model's greedy one) is a point mass q, and
+sampling t ~ p then accepting when t is the draft is rejection sampling with acceptance
+probability p(draft), whose rejected branch is p without the draft, renormalized. The seeded
+sampler draws by (seed, output position), so even the tokens of a seeded request are those of
+plain decoding. The last position sampled gives the bonus token; the KV slots of the rejected
+drafts go back to the pool (`DecodeScheduler.after_verify`).
 
 Grammar-aware drafting: a request with a grammar has its draft cut before the first token the
 grammar (or its semantic guard) rejects, and extended by the tokens the grammar forces after
@@ -38,10 +41,11 @@ page size 1 (`EngineArgs.resolve` rejects other page sizes with speculation).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from arborlm.runtime.config import EngineConfig
+from arborlm.runtime.config import EngineConfig, SpeculativeAlgorithm
 from arborlm.runtime.forward_batch import ForwardMode
 from arborlm.runtime.request import Req
 from arborlm.runtime.scheduler.batch import ScheduledBatch
@@ -49,28 +53,39 @@ from arborlm.runtime.scheduler.in_batch_prefix import common_prefix_len
 from arborlm.runtime.scheduler.kv_slots import KVSlots
 from arborlm.runtime.scheduler.results import ResultProcessor, per_request
 from arborlm.runtime.speculative.grammar_draft import fit_draft
-from arborlm.runtime.speculative.ngram import NgramIndex, SharedNgramCache
+from arborlm.runtime.speculative.ngram import NgramDrafter
 
 # After this many failed drafts in a row a request pauses drafting for 2**(failures - 1) decode
 # steps, at most MAX_BACKOFF_STEPS.
 FAILURES_BEFORE_BACKOFF = 2
 MAX_BACKOFF_STEPS = 64
-# A verify step runs as an eager extend, which costs more per row than a decode step through
-# the decode executor: a step verifies only when its drafts hold at least this many tokens per
-# request of the batch (always, for a lone request with a draft).
+# A verify step costs more than a plain decode step of the same requests (more rows): a step
+# verifies only when its drafts hold at least this many tokens per request of the batch
+# (always, for a lone request with a draft).
 MIN_DRAFT_TOKENS_PER_REQUEST = 1
-# The server-wide n-gram cache: n-grams of this many tokens (at least the min window), at most
-# this many entries (each a tuple of up to num_draft_tokens ids).
-SHARED_WINDOW = 3
-SHARED_CAPACITY = 200_000
+
+
+class Drafter(Protocol):
+    """Where drafts come from (`NgramDrafter`, `DraftModel`)."""
+
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        """Up to `ks[i]` draft tokens to follow `reqs[i]`'s tokens (none where ks[i] is 0)."""
+
+    def release(self, req: Req) -> None:
+        """`req` finished: drop what the drafter holds for it."""
+
+    def reset(self) -> None:
+        """Forget what finished requests left behind (with the prefix cache)."""
+
+    def check_integrity(self) -> None:
+        """Idle-time invariants of what the drafter holds."""
 
 
 @dataclass
 class SpecState:
-    """One request's speculation: its n-gram index, draft length, back-off and counts
-    (`verify_ct`: verifies of its drafts; `accepted`: draft tokens accepted in them)."""
+    """One request's speculation: its draft length, back-off and counts (`verify_ct`: verifies
+    of its drafts; `accepted`: draft tokens accepted in them)."""
 
-    index: NgramIndex
     draft_len: int
     failures: int = 0  # drafts in a row with nothing accepted
     pause: int = 0  # decode steps left without drafting
@@ -78,11 +93,23 @@ class SpecState:
 
 
 def create_speculator(config: EngineConfig, kv: KVSlots, results: ResultProcessor,
-                      stats: dict[str, int]) -> NgramSpeculator | NoSpeculation:
-    """The speculator `speculative_algorithm` names (checked by `EngineArgs.resolve`)."""
-    if config.args.speculative_algorithm is None:
+                      stats: dict[str, int], tokenizer: Any) -> Speculator | NoSpeculation:
+    """The speculator `speculative_algorithm` names (checked by `EngineArgs.resolve`), its
+    draft model's KV pool (STANDALONE) as large as the target's (`kv`)."""
+    args = config.args
+    if args.speculative_algorithm is None:
         return NoSpeculation()
-    return NgramSpeculator(config, kv, results, stats)
+    drafter: Drafter
+    if args.speculative_algorithm == SpeculativeAlgorithm.STANDALONE:
+        from arborlm.runtime.speculative.draft_model import DraftModel
+
+        drafter = DraftModel(config, kv.allocator.total_size, tokenizer)
+        max_draft = args.speculative_num_steps
+    else:
+        max_draft = args.speculative_num_draft_tokens
+        drafter = NgramDrafter(args.speculative_ngram_min_match_window_size,
+                               args.speculative_ngram_max_match_window_size, max_draft)
+    return Speculator(config, drafter, max_draft, kv, results, stats)
 
 
 class NoSpeculation:
@@ -103,23 +130,23 @@ class NoSpeculation:
     def info(self) -> dict[str, float]:
         return {}
 
+    def check_integrity(self) -> None:
+        pass
 
-class NgramSpeculator:
-    """`stats`: the engine's counters (drafts, draft tokens, accepted draft tokens, verify
-    steps), updated in place."""
 
-    def __init__(self, config: EngineConfig, kv: KVSlots, results: ResultProcessor,
-                 stats: dict[str, int]):
-        args = config.args
-        self.num_draft_tokens = args.speculative_num_draft_tokens
-        self.min_window = args.speculative_ngram_min_match_window_size
-        self.max_window = args.speculative_ngram_max_match_window_size
+class Speculator:
+    """Drafts from `drafter`, at most `max_draft` tokens per request and step, verified in
+    one target forward. `stats`: the engine's counters (drafts, draft tokens, accepted draft
+    tokens, verify steps), updated in place."""
+
+    def __init__(self, config: EngineConfig, drafter: Drafter, max_draft: int, kv: KVSlots,
+                 results: ResultProcessor, stats: dict[str, int]):
+        self.drafter = drafter
+        self.num_draft_tokens = max_draft
         self.context_length = config.model.context_length
         self.kv = kv
         self.results = results
         self.stats = stats
-        self.shared = SharedNgramCache(max(SHARED_WINDOW, self.min_window),
-                                       self.num_draft_tokens, SHARED_CAPACITY)
         for key in ("spec_verifies", "spec_drafts", "spec_draft_tokens",
                     "spec_accepted_tokens", "spec_grammar_pruned_tokens",
                     "spec_grammar_forced_tokens"):
@@ -136,26 +163,29 @@ class NgramSpeculator:
 
     def _state(self, req: Req) -> SpecState:
         if req.spec is None:
-            req.spec = SpecState(NgramIndex(self.min_window, self.max_window),
-                                 self.num_draft_tokens)
+            req.spec = SpecState(self.num_draft_tokens)
         return req.spec
 
-    def _draft(self, req: Req) -> list[int]:
+    def _room(self, req: Req) -> int | None:
+        """How many draft tokens `req` may take this step: None when it drafts nothing (it
+        has tokens without KV besides its newest, it finished, or it pauses)."""
         if req.total_len != req.computed_len + 1 or req.finished:
-            return []
+            return None
         state = self._state(req)
         if state.pause:
             state.pause -= 1
-            return []
-        p = req.sampling_params
-        room = min(p.max_new_tokens - len(req.output_ids) - 1,
+            return None
+        return min(req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
                    self.context_length - req.total_len - 1)
-        k = min(state.draft_len, room)
-        tokens = req.fill_ids
-        draft = state.index.draft(tokens, k) or self.shared.draft(tokens, k)
-        if req.grammar is None:
-            return draft
-        return self._fit_to_grammar(req, draft, min(self.num_draft_tokens, room))
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]]:
+        rooms = [self._room(r) for r in reqs]
+        ks = [0 if room is None else max(0, min(r.spec.draft_len, room))
+              for r, room in zip(reqs, rooms)]
+        drafts = self.drafter.propose(reqs, ks) if any(ks) else [[] for _ in reqs]
+        return [d if r.grammar is None or room is None
+                else self._fit_to_grammar(r, d, min(self.num_draft_tokens, room))
+                for r, d, room in zip(reqs, drafts, rooms)]
 
     def _fit_to_grammar(self, req: Req, draft: list[int], limit: int) -> list[int]:
         """`draft` pruned by `req`'s grammar and extended by its forced tokens, at most `limit`
@@ -173,13 +203,17 @@ class NgramSpeculator:
         return fitted.tokens
 
     def reset(self) -> None:
-        """Forget the server-wide n-gram cache (with the prefix cache: `flush_cache`)."""
-        self.shared.clear()
+        """Forget what finished requests left in the drafter (with the prefix cache:
+        `flush_cache`)."""
+        self.drafter.reset()
 
     def release(self, req: Req) -> None:
-        """A request finished: its tokens join the server-wide n-gram cache."""
-        if req.output_ids and not (req.finished_reason and req.finished_reason.type == "abort"):
-            self.shared.add(req.fill_ids)
+        """A request finished (the n-gram drafter learns its tokens; the draft model frees its
+        KV)."""
+        self.drafter.release(req)
+
+    def check_integrity(self) -> None:
+        self.drafter.check_integrity()
 
     def draft(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """`batch` (a decode step, its slots taken) as a verify step: an extend of each
@@ -189,7 +223,7 @@ class NgramSpeculator:
         it is)."""
         if batch.mode is not ForwardMode.DECODE or self.kv.page_size != 1:
             return None
-        drafts = [self._draft(r) for r in batch.reqs]
+        drafts = self._drafts(batch.reqs)
         extra = sum(map(len, drafts))
         if extra < MIN_DRAFT_TOKENS_PER_REQUEST * batch.size:
             return None
