@@ -5,13 +5,14 @@ One decode step's linears of SmolLM2-135M (30 layers of q, k, v, o, gate, up, do
 memory, as a decode step does. For each row count (`--rows`), rounds alternate between bfloat16
 panels (`panel_linear`, what ArborLM's bf16 decode runs) and each packed type (weights from
 `gguf`'s quantizer on random values) on each of `quant_linear`'s paths (`--paths`: "float",
-weights dequantized in registers against bfloat16 activations; "vnni2", activations in two int8
-terms; "vnni", int8 activations; "default", `quant_path`'s choice for the row count),
+weights dequantized in registers against activations widened to float32; "bf16", against the
+bfloat16 activations with `vdpbf16ps`; "vnni2", activations in two int8 terms; "vnni", int8
+activations; "default", `quant_path`'s choice for the row count),
 `--repeats` rounds; prints the median and the fastest round of each, in milliseconds per step,
 and bf16 / this (above 1: the packed one is faster). Activations are bfloat16 throughout.
 
     python benchmarks/quant_linear.py [--threads 2] [--repeats 7] [--rows 1 8 32 128 512]
-        [--types Q8_0 Q4_1] [--paths default float vnni2 vnni]
+        [--types Q8_0 Q4_1] [--paths default float bf16 vnni2 vnni]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from arborlm.runtime.platforms.cpu.quant_linear import quantize_weight
 LAYERS = 30
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 TYPES = ["Q8_0", "Q4_1"]
-PATHS = ["default", "float", "vnni2", "vnni"]
+PATHS = ["default", "float", "bf16", "vnni2", "vnni"]
 
 
 def weights(kind: str | T) -> list[tuple]:

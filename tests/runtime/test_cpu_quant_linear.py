@@ -8,8 +8,9 @@ several, an all-zero row and rows with one huge value. Every path this CPU grant
 
 - portable (blocks dequantized, x as is) and float with float32 x (weights dequantized in
   registers, FMAs): the float64 product to float32 summation error;
-- float with bfloat16 x (the AVX512-BF16 dot product where the CPU has it, weights rounded
-  once to bfloat16): the float64 product to that rounding (2^-9 of each weight) and the output's;
+- bf16, bfloat16 x on the kernel's float path (the AVX512-BF16 dot product where the CPU has
+  it, weights rounded once to bfloat16): the float64 product to that rounding (2^-9 of each
+  weight) and the output's; float32 x on it is the float path;
 - vnni (x quantized per 32-value block to int8 first, as llama.cpp does): the float64 product of
   the same int8 activations to summation error, and of x itself to within the activations'
   rounding bound (half a quant step of each block times the block's weight magnitude);
@@ -36,7 +37,7 @@ from arborlm.runtime.platforms.cpu.quant_linear import (
 from tests.runtime.gguf_reference import T, random_blocks, reference_dequantize
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-PATHS = ["portable", "float", "vnni2", "vnni"]
+PATHS = ["portable", "float", "bf16", "vnni2", "vnni"]
 EPS32 = 2.0 ** -24
 # Ordinary f16 scales (no extremes), for the checks where x's own extremes are under test.
 PLAIN_SCALES = np.array([0.0, 1.0, 1e-3, -2.5, 0.0625, 3.0], dtype=np.float16)
@@ -83,7 +84,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, values: np.ndarray, magnitude: np.n
     bound = (inp + 16) * EPS32 * (np.abs(seen) @ magnitude.T)
     if x.dtype == torch.bfloat16:  # bfloat16 output: rounded once
         bound += 2.0 ** -8 * np.abs(ref) + bound
-    if x.dtype == torch.bfloat16 and path == "float" and capabilities.has_native_bf16():
+    if x.dtype == torch.bfloat16 and path == "bf16" and capabilities.has_native_bf16():
         bound += 2.0 ** -8 * (np.abs(x64) @ magnitude.T)  # each weight rounded to bfloat16
     error = np.abs(got - ref)
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
@@ -125,15 +126,16 @@ def test_matches_float64_reference(qtype, path, rows, out):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,out", [(1, 67), (7, 130), (130, 33)])
-def test_float_path_on_bfloat16_matches_float64_reference(qtype, rows, out):
-    """bfloat16 x on the float path: `vdpbf16ps` against weights rounded once to bfloat16 where
-    the CPU has AVX512-BF16, x widened to float32 otherwise (the fallback: the FMA kernel)."""
-    _skip_unless("float")
+def test_bf16_path_matches_float64_reference(qtype, rows, out):
+    """bfloat16 x on the kernel's float path: `vdpbf16ps` against weights rounded once to
+    bfloat16 where the CPU has AVX512-BF16, x widened to float32 otherwise (the fallback: the
+    FMA kernel)."""
+    _skip_unless("bf16")
     inp = 512
     w, values, magnitude = _weight(qtype, out, inp, seed=int(qtype) * 7 + rows)
     x = _x(rows, inp, seed=rows).bfloat16()
     bias = torch.randn(out, generator=torch.Generator().manual_seed(rows))
-    y = cpu_kernels.quant_linear(x, w, int(qtype), bias, path="float")
+    y = cpu_kernels.quant_linear(x, w, int(qtype), bias, path="bf16")
     assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
     _check_bias(y, bias, x, values, magnitude)
 
@@ -181,7 +183,7 @@ def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
     xb = x.bfloat16()
     yb = cpu_kernels.quant_linear(xb, w, int(qtype), path=path)
     assert yb.dtype == torch.bfloat16
-    if path == "float" and capabilities.has_native_bf16():  # its own kernel: batch-invariant
+    if path == "bf16" and capabilities.has_native_bf16():  # its own kernel: batch-invariant
         for i in range(x.shape[0]):
             one = cpu_kernels.quant_linear(xb[i:i + 1], w, int(qtype), path=path)
             assert torch.equal(one, yb[i:i + 1])
@@ -190,7 +192,8 @@ def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
         assert torch.equal(yb, widened.bfloat16())
 
 
-@pytest.mark.parametrize("path,within", [("vnni", 1e-2), ("vnni2", 1e-4), ("float", 1e-5)])
+@pytest.mark.parametrize("path,within", [("vnni", 1e-2), ("vnni2", 1e-4), ("float", 1e-5),
+                                         ("bf16", 1e-5)])
 def test_paths_agree_on_real_scales(path, within):
     """Each path differs from the portable one only by its activations' rounding: on ordinary
     weights and activations, int8 well under 1% of the output's scale, two int8 terms under
@@ -205,15 +208,16 @@ def test_paths_agree_on_real_scales(path, within):
 
 
 def test_the_path_is_chosen_by_rows_and_can_be_forced(monkeypatch):
-    """Float activations from `FLOAT_PATH_ROWS` rows, two int8 terms below (where the CPU has
-    VNNI); int8 activations only when asked for; an unknown name is refused."""
+    """The float path on the activations as they are ("bf16") from `FLOAT_PATH_ROWS` rows, two
+    int8 terms below (where the CPU has VNNI); int8 activations, or bfloat16 ones widened to
+    float32, only when asked for; an unknown name is refused."""
     _skip_unless("portable")
     here = cpu_kernels.quant_paths()
     monkeypatch.delenv("ARBORLM_QUANT_PATH", raising=False)
     many, few = cpu_kernels.quant_path(cpu_kernels.FLOAT_PATH_ROWS), cpu_kernels.quant_path(1)
-    assert many == ("float" if "float" in here else "portable")
+    assert many == ("bf16" if "bf16" in here else "portable")
     assert few == ("vnni2" if "vnni2" in here else many)
-    assert "vnni" not in (many, few)
+    assert not {"vnni", "float"} & {many, few}
     monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")
     assert cpu_kernels.quant_path(1) == cpu_kernels.quant_path(512) == "portable"
     monkeypatch.setenv("ARBORLM_QUANT_PATH", "int4")

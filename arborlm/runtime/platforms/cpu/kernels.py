@@ -375,10 +375,13 @@ def quant_linear_available() -> bool:
 
 
 # `quant_linear`'s paths (`csrc/quant_linear.cpp`): "portable" (scalar, any x86-64), "float"
-# (x as it is against weights dequantized in registers: AVX-512 F/BW/VL, bfloat16 x through
-# AVX512-BF16 where granted), "vnni2" (x in two int8 terms per block, ~15 bits: AVX512-VNNI)
-# and "vnni" (x quantized to int8 per block, as llama.cpp does: opt-in, see `quant_path`).
-QUANT_PATHS = ("portable", "float", "vnni2", "vnni")
+# (x widened to float32 against weights dequantized in registers, FMAs: AVX-512 F/BW/VL),
+# "bf16" (the kernel's float path on bfloat16 x as it is: `vdpbf16ps` against weights rounded
+# to bfloat16, where AVX512-BF16 is granted; float32 x as "float"), "vnni2" (x in two int8 terms
+# per block, ~15 bits: AVX512-VNNI) and "vnni" (x quantized to int8 per block, as llama.cpp
+# does; opt-in only: on SmolLM2-135M's Q4_1 file it agrees with the dequantized model's top-1
+# token at too few positions, tests/real_model/test_quantization_smollm2.py).
+QUANT_PATHS = ("portable", "float", "bf16", "vnni2", "vnni")
 # From this many rows the float path is the faster (benchmarks/quant_linear.py; figures in
 # docs/performance.md); below it, the integer path with two-term activations.
 FLOAT_PATH_ROWS = 8
@@ -388,7 +391,7 @@ def quant_paths() -> tuple[str, ...]:
     """The `quant_linear` paths this CPU (and its OS) grants."""
     paths = ["portable"]
     if capabilities.has_avx512_quant_float():
-        paths.append("float")
+        paths += ["float", "bf16"]
     if capabilities.has_avx512_vnni():
         paths += ["vnni2", "vnni"]
     return tuple(paths)
@@ -396,10 +399,9 @@ def quant_paths() -> tuple[str, ...]:
 
 def quant_path(rows: int = 1) -> str:
     """The path `quant_linear` runs for `rows` rows of x: `$ARBORLM_QUANT_PATH` where set (one
-    of `QUANT_PATHS`; "vnni", int8 activations, is only ever chosen this way: on SmolLM2-135M
-    it agrees with the unquantized model's top-1 token at too few positions), else the float
-    path from `FLOAT_PATH_ROWS` rows and "vnni2" below, each where the CPU grants it, else
-    "float", else "portable"."""
+    of `QUANT_PATHS`; "float" and "vnni" are only ever chosen this way), else "bf16" from
+    `FLOAT_PATH_ROWS` rows and "vnni2" below, each where the CPU grants it, else "bf16", else
+    "portable"."""
     forced = os.environ.get("ARBORLM_QUANT_PATH", "")
     if forced:
         if forced not in QUANT_PATHS:
@@ -408,7 +410,7 @@ def quant_path(rows: int = 1) -> str:
     here = quant_paths()
     if "vnni2" in here and rows < FLOAT_PATH_ROWS:
         return "vnni2"
-    return "float" if "float" in here else "portable"
+    return "bf16" if "bf16" in here else "portable"
 
 
 def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,
@@ -422,5 +424,10 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     bytes]` uint8, the tensor's rows as the file stores them, of ggml type number `qtype`
     (plus bias `[out]`) -> `[T, out]` in x's dtype. `path` (one of `quant_paths()`) defaults to
     `quant_path(T)`. `quant_linear_available()` must hold."""
-    return torch.ops.arborlm.quant_linear(x, weight, int(qtype), bias,
-                                          path or quant_path(x.shape[0]))
+    path = path or quant_path(x.shape[0])
+    if path == "bf16":
+        return torch.ops.arborlm.quant_linear(x, weight, int(qtype), bias, "float")
+    if path == "float" and x.dtype == torch.bfloat16:  # the kernel would take bf16 products
+        y = torch.ops.arborlm.quant_linear(x.float(), weight, int(qtype), bias, "float")
+        return y.bfloat16()
+    return torch.ops.arborlm.quant_linear(x, weight, int(qtype), bias, path)
