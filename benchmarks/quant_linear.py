@@ -4,11 +4,15 @@ One decode step's linears of SmolLM2-135M (30 layers of q, k, v, o, gate, up, do
 1536 intermediate; no head), each weight a different tensor so the step streams them all from
 memory, as a decode step does. For each row count (`--rows`), rounds alternate between bfloat16
 panels (`panel_linear`, what ArborLM's bf16 decode runs) and each packed type (weights from
-`gguf`'s quantizer on random values), `--repeats` rounds; prints the median and the fastest
-round of each, in milliseconds per step, and bf16 / type (above 1: the packed type is faster).
-Activations are bfloat16 in both.
+`gguf`'s quantizer on random values) on each of `quant_linear`'s paths (`--paths`: "float",
+weights dequantized in registers against activations widened to float32; "bf16", against the
+bfloat16 activations with `vdpbf16ps`; "vnni2", activations in two int8 terms; "vnni", int8
+activations; "default", `quant_path`'s choice for the row count),
+`--repeats` rounds; prints the median and the fastest round of each, in milliseconds per step,
+and bf16 / this (above 1: the packed one is faster). Activations are bfloat16 throughout.
 
-    python benchmarks/quant_linear.py [--threads 2] [--repeats 7] [--rows 1 8 32 128]
+    python benchmarks/quant_linear.py [--threads 2] [--repeats 7] [--rows 1 8 32 128 512]
+        [--types Q8_0 Q4_1] [--paths default float bf16 vnni2 vnni]
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from arborlm.runtime.platforms.cpu.quant_linear import quantize_weight
 
 LAYERS = 30
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-TYPES = [T.Q8_0, T.Q5_0, T.Q4_1, T.Q4_0]
+TYPES = ["Q8_0", "Q4_1"]
+PATHS = ["default", "float", "bf16", "vnni2", "vnni"]
 
 
 def weights(kind: str | T) -> list[tuple]:
@@ -43,13 +48,16 @@ def weights(kind: str | T) -> list[tuple]:
     return out
 
 
-def step(kind: str | T, layers: list[tuple], xs: dict[int, torch.Tensor]) -> float:
+def step(kind: str | tuple[T, str], layers: list[tuple], xs: dict[int, torch.Tensor]) -> float:
     start = time.perf_counter()
-    for packed, rows, cols in layers:
-        if kind == "bf16":
+    if kind == "bf16":
+        for packed, rows, cols in layers:
             cpu_kernels.panel_linear(xs[cols], packed, rows)
-        else:
-            cpu_kernels.quant_linear(xs[cols], packed, int(kind))
+    else:
+        qtype, path = kind
+        path = None if path == "default" else path
+        for packed, _, cols in layers:
+            cpu_kernels.quant_linear(xs[cols], packed, int(qtype), path=path)
     return time.perf_counter() - start
 
 
@@ -57,30 +65,44 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    ap.add_argument("--types", nargs="+", default=TYPES, choices=[t.name for t in T])
+    ap.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS)
     args = ap.parse_args()
     if not cpu_kernels.available(torch.bfloat16):
         raise SystemExit("this CPU lacks AVX512-BF16: no bfloat16 panels to compare with")
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}, quant_linear path: {cpu_kernels.quant_path()}, "
-          f"VNNI: {capabilities.has_avx512_vnni()}")
-    kinds: list[str | T] = ["bf16", *TYPES]
-    sets = {kind: weights(kind) for kind in kinds}
+    here = cpu_kernels.quant_paths()
+    print(f"threads {args.threads}, quant_linear paths here: {', '.join(here)}, "
+          f"AVX512-BF16: {capabilities.has_native_bf16()}")
+    types = [T[name] for name in args.types]
+    sets = {kind: weights(kind) for kind in ["bf16", *types]}
+    kinds: list = ["bf16"] + [(t, p) for t in types for p in args.paths
+                              if p == "default" or p in here]
     for rows in args.rows:
         g = torch.Generator().manual_seed(rows)
         xs = {cols: torch.randn(rows, cols, generator=g).bfloat16() for cols in (576, 1536)}
-        times: dict[str | T, list[float]] = {kind: [] for kind in kinds}
+        times: dict = {kind: [] for kind in kinds}
+
+        def layers(kind):
+            return sets[kind if kind == "bf16" else kind[0]]
+
         for kind in kinds:  # warm-up
-            step(kind, sets[kind], xs)
+            step(kind, layers(kind), xs)
         for _ in range(args.repeats):
             for kind in kinds:
-                times[kind].append(step(kind, sets[kind], xs))
+                times[kind].append(step(kind, layers(kind), xs))
         base = statistics.median(times["bf16"])
         for kind in kinds:
-            name = kind if isinstance(kind, str) else kind.name
+            if kind == "bf16":
+                name = "bf16 panels"
+            else:
+                chosen = cpu_kernels.quant_path(rows) if kind[1] == "default" else kind[1]
+                name = f"{kind[0].name} {kind[1]}" + (f" ({chosen})" if kind[1] == "default"
+                                                      else "")
             med, best = statistics.median(times[kind]), min(times[kind])
-            print(f"rows {rows:4d}  {name:5s} median {med * 1e3:8.2f} ms  fastest "
-                  f"{best * 1e3:8.2f} ms  bf16/this {base / med:5.2f}")
+            print(f"rows {rows:4d}  {name:24s} median {med * 1e3:8.2f} ms  fastest "
+                  f"{best * 1e3:8.2f} ms  bf16/this {base / med:5.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,14 +2,22 @@
 
 Every block type, on random blocks whose f16 scales include zero, both f16 extremes and
 subnormals (`gguf_reference.random_blocks`), decoded by the float64 reference written from
-ggml's loops (`gguf_reference.py`). Output counts that are not multiples of the 4-row tiles or
-the 64-column tiles, one to 130 rows, inputs of one block and of several, an all-zero row and rows
-with one huge value. Both paths: the portable one (blocks dequantized, x as is) must match the
-float64 product to float32 summation error; the VNNI one (x quantized per 32-value block to
-int8 first, as llama.cpp does) must match the float64 product of the same int8 activations to
-summation error, and the float64 product of x itself to within the activations' rounding bound
-(half a quant step of each block times the block's weight magnitude). A row's result must not
-depend on the other rows of the call; bfloat16 x gives the float32 result rounded.
+ggml's loops (`gguf_reference.py`). Output counts that are not multiples of the 4-column groups,
+the 4- and 6-row tiles or the 64-column tiles, one to 130 rows, inputs of one block and of
+several, an all-zero row and rows with one huge value. Every path this CPU grants:
+
+- portable (blocks dequantized, x as is) and float with float32 x (weights dequantized in
+  registers, FMAs): the float64 product to float32 summation error;
+- bf16, bfloat16 x on the kernel's float path (the AVX512-BF16 dot product where the CPU has
+  it, weights rounded once to bfloat16): the float64 product to that rounding (2^-9 of each
+  weight) and the output's; float32 x on it is the float path;
+- vnni (x quantized per 32-value block to int8 first, as llama.cpp does): the float64 product of
+  the same int8 activations to summation error, and of x itself to within the activations'
+  rounding bound (half a quant step of each block times the block's weight magnitude);
+- vnni2 (x in two int8 terms): the float64 product of x to within a 256th of that bound.
+
+A row's result must not depend on the other rows of the call; bias adds; bfloat16 x gives the
+float32 result rounded where a path widens it.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from arborlm.runtime.platforms.cpu.quant_linear import (
 from tests.runtime.gguf_reference import T, random_blocks, reference_dequantize
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-PATHS = ["portable", "vnni"]
+PATHS = ["portable", "float", "bf16", "vnni2", "vnni"]
 EPS32 = 2.0 ** -24
 # Ordinary f16 scales (no extremes), for the checks where x's own extremes are under test.
 PLAIN_SCALES = np.array([0.0, 1.0, 1e-3, -2.5, 0.0625, 3.0], dtype=np.float16)
@@ -39,8 +47,8 @@ def _skip_unless(path: str) -> None:
     if not capabilities.is_x86_64():
         pytest.skip("ArborLM's CPU operators are built for x86-64 only")
     assert cpu_kernels.quant_linear_available(), "quant_linear did not build"
-    if path == "vnni" and not capabilities.has_avx512_vnni():
-        pytest.skip("this CPU lacks AVX512-VNNI")
+    if path not in cpu_kernels.quant_paths():
+        pytest.skip(f"this CPU lacks what quant_linear's {path} path needs")
 
 
 def _weight(qtype: T, out: int, inp: int, seed: int,
@@ -70,18 +78,27 @@ def _check(y: torch.Tensor, x: torch.Tensor, values: np.ndarray, magnitude: np.n
     x64 = x.double().numpy()
     got = y.double().numpy()
     inp = x.shape[1]
-    seen = _quantized_activations(x.numpy()) if path == "vnni" else x64
+    seen = _quantized_activations(x.float().numpy()) if path == "vnni" else x64
     ref = seen @ values.T
     # Summation error of `in` float32 terms, plus a few roundings of each term's scale.
     bound = (inp + 16) * EPS32 * (np.abs(seen) @ magnitude.T)
+    if x.dtype == torch.bfloat16:  # bfloat16 output: rounded once
+        bound += 2.0 ** -8 * np.abs(ref) + bound
+    if x.dtype == torch.bfloat16 and path == "bf16" and capabilities.has_native_bf16():
+        bound += 2.0 ** -8 * (np.abs(x64) @ magnitude.T)  # each weight rounded to bfloat16
     error = np.abs(got - ref)
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
-    assert np.all(error <= bound), (path, worst, got[worst], ref[worst], bound[worst])
-    if path == "vnni":  # and against x itself: each block off by at most half a quant step
+    # (vnni2: x's two-term rounding is absolute per block, checked below instead)
+    assert path == "vnni2" or np.all(error <= bound), (path, worst, got[worst], ref[worst],
+                                                        bound[worst])
+    if path in ("vnni", "vnni2"):  # and against x itself: each block off by at most half a step
         step = np.abs(x64.reshape(x.shape[0], -1, 32)).max(axis=-1) / 127  # [T, blocks]
+        if path == "vnni2":  # the second term's step (a clamped 128 is one step off)
+            step = 2 * step / 256
         weight_l1 = np.abs(values).reshape(values.shape[0], -1, 32).sum(axis=-1)  # [out, blocks]
         rounding = (0.5 + 1e-4) * step @ weight_l1.T
         exact = x64 @ values.T
+        bound = (inp + 16) * EPS32 * (np.abs(x64) @ magnitude.T)
         assert np.all(np.abs(got - exact) <= rounding + bound), path
 
 
@@ -105,6 +122,37 @@ def test_matches_float64_reference(qtype, path, rows, out):
     y = cpu_kernels.quant_linear(x, w, int(qtype), path=path)
     assert y.dtype == torch.float32 and y.shape == (rows, out)
     _check(y, x, values, magnitude, path)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,out", [(1, 67), (7, 130), (130, 33)])
+def test_bf16_path_matches_float64_reference(qtype, rows, out):
+    """bfloat16 x on the kernel's float path: `vdpbf16ps` against weights rounded once to
+    bfloat16 where the CPU has AVX512-BF16, x widened to float32 otherwise (the fallback: the
+    FMA kernel)."""
+    _skip_unless("bf16")
+    inp = 512
+    w, values, magnitude = _weight(qtype, out, inp, seed=int(qtype) * 7 + rows)
+    x = _x(rows, inp, seed=rows).bfloat16()
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(rows))
+    y = cpu_kernels.quant_linear(x, w, int(qtype), bias, path="bf16")
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
+    _check_bias(y, bias, x, values, magnitude)
+
+
+def _check_bias(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, values: np.ndarray,
+                magnitude: np.ndarray) -> None:
+    """y = x values^T + bias in bfloat16: the float64 reference with the bias, bounded as
+    `_check` bounds the product (the bias adds its own magnitude to the output's rounding)."""
+    x64 = x.double().numpy()
+    ref = x64 @ values.T + bias.double().numpy()
+    scale = np.abs(x64) @ magnitude.T
+    bound = 2 * (x.shape[1] + 16) * EPS32 * scale + 2.0 ** -8 * np.abs(ref)
+    if capabilities.has_native_bf16():
+        bound += 2.0 ** -8 * scale
+    error = np.abs(y.double().numpy() - ref)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert np.all(error <= bound), (worst, y[worst].item(), ref[worst], bound[worst])
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -135,20 +183,46 @@ def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
     xb = x.bfloat16()
     yb = cpu_kernels.quant_linear(xb, w, int(qtype), path=path)
     assert yb.dtype == torch.bfloat16
-    widened = cpu_kernels.quant_linear(xb.float(), w, int(qtype), path=path)
-    assert torch.equal(yb, widened.bfloat16())
+    if path == "bf16" and capabilities.has_native_bf16():  # its own kernel: batch-invariant
+        for i in range(x.shape[0]):
+            one = cpu_kernels.quant_linear(xb[i:i + 1], w, int(qtype), path=path)
+            assert torch.equal(one, yb[i:i + 1])
+    else:  # widened to float32
+        widened = cpu_kernels.quant_linear(xb.float(), w, int(qtype), path=path)
+        assert torch.equal(yb, widened.bfloat16())
 
 
-def test_paths_agree_on_real_scales():
-    """The VNNI path differs from the portable one only by the activations' int8 rounding:
-    on ordinary weights and activations, well under 1% of the output's scale."""
-    _skip_unless("vnni")
+@pytest.mark.parametrize("path,within", [("vnni", 1e-2), ("vnni2", 1e-4), ("float", 1e-5),
+                                         ("bf16", 1e-5)])
+def test_paths_agree_on_real_scales(path, within):
+    """Each path differs from the portable one only by its activations' rounding: on ordinary
+    weights and activations, int8 well under 1% of the output's scale, two int8 terms under
+    0.01%, float32 activations to float32 rounding."""
+    _skip_unless(path)
     for qtype in TYPES:
         w, values, _ = _weight(qtype, 96, 512, seed=9, scales=np.array([0.01, 0.02], np.float16))
         x = torch.randn(4, 512, generator=torch.Generator().manual_seed(9))
-        a = cpu_kernels.quant_linear(x, w, int(qtype), path="vnni")
+        a = cpu_kernels.quant_linear(x, w, int(qtype), path=path)
         b = cpu_kernels.quant_linear(x, w, int(qtype), path="portable")
-        assert (a - b).abs().max() <= 0.01 * b.abs().max(), qtype.name
+        assert (a - b).abs().max() <= within * b.abs().max(), qtype.name
+
+
+def test_the_path_is_chosen_by_rows_and_can_be_forced(monkeypatch):
+    """The float path on the activations as they are ("bf16") from `FLOAT_PATH_ROWS` rows, two
+    int8 terms below (where the CPU has VNNI); int8 activations, or bfloat16 ones widened to
+    float32, only when asked for; an unknown name is refused."""
+    _skip_unless("portable")
+    here = cpu_kernels.quant_paths()
+    monkeypatch.delenv("ARBORLM_QUANT_PATH", raising=False)
+    many, few = cpu_kernels.quant_path(cpu_kernels.FLOAT_PATH_ROWS), cpu_kernels.quant_path(1)
+    assert many == ("bf16" if "bf16" in here else "portable")
+    assert few == ("vnni2" if "vnni2" in here else many)
+    assert not {"vnni", "float"} & {many, few}
+    monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")
+    assert cpu_kernels.quant_path(1) == cpu_kernels.quant_path(512) == "portable"
+    monkeypatch.setenv("ARBORLM_QUANT_PATH", "int4")
+    with pytest.raises(ValueError, match="ARBORLM_QUANT_PATH='int4'"):
+        cpu_kernels.quant_path(1)
 
 
 def test_bad_arguments_are_refused():
@@ -160,6 +234,8 @@ def test_bad_arguments_are_refused():
         cpu_kernels.quant_linear(torch.randn(2, 96), w, int(T.Q4_0), path="portable")
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q2_K), path="portable")
+    with pytest.raises(RuntimeError, match="path must be portable, vnni, vnni2 or float"):
+        cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), path="int4")
     with pytest.raises(RuntimeError, match="bias must be"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), torch.zeros(3),
                                  path="portable")

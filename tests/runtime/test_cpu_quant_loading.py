@@ -156,7 +156,7 @@ def test_gguf_linears_stay_packed_and_compute_like_the_decoded_file(arch, qtype,
 
     path = write_gguf(tiny_model(arch, **SIZE), tmp_path / f"{arch}.gguf", T[qtype],
                       zero_typed={"blk.0.attn_v.weight": T.Q8_0})
-    monkeypatch.setattr(cpu_kernels, "quant_path", lambda: "portable")
+    monkeypatch.setattr(cpu_kernels, "quant_path", lambda rows=1: "portable")
     config = ModelConfig.from_path(path, "float32")
     quantized, ref = load_model(config, quantization="gguf"), load_model(config)
     packed = {n: m for n, m in quantized.named_modules() if isinstance(m, QuantLinear)}

@@ -59,3 +59,12 @@ def has_avx512_vnni() -> bool:
     flags = cpu_flags()
     return (is_x86_64() and torch.cpu._is_avx512_supported()
             and {"avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"} <= flags)
+
+
+@functools.cache
+def has_avx512_quant_float() -> bool:
+    """Whether this CPU (and its OS) grants AVX-512 (F, BW, VL) with F16C and FMA: what
+    `quant_linear`'s float path needs (bfloat16 products also need `has_native_bf16`; without
+    it, bfloat16 activations are widened to float32)."""
+    return (is_x86_64() and torch.cpu._is_avx512_supported()
+            and {"avx512bw", "avx512vl", "f16c", "fma"} <= cpu_flags())

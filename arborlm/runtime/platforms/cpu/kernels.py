@@ -20,8 +20,9 @@ as fast on a CPU (figures: docs/performance.md, "CPU kernels"; `benchmarks/cpu_k
   these kernels (`fused_decode.FusedDecodeStep`); `packed_linear`: a oneDNN-packed weight
   called by number from a compiled graph (`linear.packed_linear`; it needs no AVX-512).
 - `quant_linear`: a linear computed from a GGUF tensor's packed blocks (Q8_0, Q4_0/1, Q5_0/1,
-  Q4_K, Q5_K, Q6_K), through AVX512-VNNI integer dot products on activations quantized per
-  block, or a portable scalar path on CPUs without them (`quant_path()` says which).
+  Q4_K, Q5_K, Q6_K): weights dequantized in registers against float activations (AVX-512 FMA
+  or AVX512-BF16), AVX512-VNNI integer dot products on activations quantized per block, or a
+  portable scalar path on CPUs without either (`quant_path(rows)` says which).
 
 The operators live in one extension, built on first use with torch's extension builder (a C++
 compiler and ninja; tens of seconds, cached on disk after) and traced by `torch.compile` as
@@ -373,14 +374,47 @@ def quant_linear_available() -> bool:
     return packed_linear_available()
 
 
-def quant_path() -> str:
-    """Which `quant_linear` path this CPU runs: "vnni" (AVX512-VNNI integer dot products) or
-    "portable" (blocks dequantized to float32 in scalar code, for any x86-64)."""
-    return "vnni" if capabilities.has_avx512_vnni() else "portable"
+# `quant_linear`'s paths (`csrc/quant_linear.cpp`): "portable" (scalar, any x86-64), "float"
+# (x widened to float32 against weights dequantized in registers, FMAs: AVX-512 F/BW/VL),
+# "bf16" (the kernel's float path on bfloat16 x as it is: `vdpbf16ps` against weights rounded
+# to bfloat16, where AVX512-BF16 is granted; float32 x as "float"), "vnni2" (x in two int8 terms
+# per block, ~15 bits: AVX512-VNNI) and "vnni" (x quantized to int8 per block, as llama.cpp
+# does; opt-in only: on SmolLM2-135M's Q4_1 file it agrees with the dequantized model's top-1
+# token at too few positions, tests/real_model/test_quantization_smollm2.py).
+QUANT_PATHS = ("portable", "float", "bf16", "vnni2", "vnni")
+# From this many rows the float path is the faster (benchmarks/quant_linear.py; figures in
+# docs/performance.md); below it, the integer path with two-term activations.
+FLOAT_PATH_ROWS = 8
+
+
+def quant_paths() -> tuple[str, ...]:
+    """The `quant_linear` paths this CPU (and its OS) grants."""
+    paths = ["portable"]
+    if capabilities.has_avx512_quant_float():
+        paths += ["float", "bf16"]
+    if capabilities.has_avx512_vnni():
+        paths += ["vnni2", "vnni"]
+    return tuple(paths)
+
+
+def quant_path(rows: int = 1) -> str:
+    """The path `quant_linear` runs for `rows` rows of x: `$ARBORLM_QUANT_PATH` where set (one
+    of `QUANT_PATHS`; "float" and "vnni" are only ever chosen this way), else "bf16" from
+    `FLOAT_PATH_ROWS` rows and "vnni2" below, each where the CPU grants it, else "bf16", else
+    "portable"."""
+    forced = os.environ.get("ARBORLM_QUANT_PATH", "")
+    if forced:
+        if forced not in QUANT_PATHS:
+            raise ValueError(f"ARBORLM_QUANT_PATH={forced!r}: one of {', '.join(QUANT_PATHS)}")
+        return forced
+    here = quant_paths()
+    if "vnni2" in here and rows < FLOAT_PATH_ROWS:
+        return "vnni2"
+    return "bf16" if "bf16" in here else "portable"
 
 
 def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,
-                        bias: torch.Tensor | None, vnni: bool) -> torch.Tensor:
+                        bias: torch.Tensor | None, path: str) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -388,8 +422,12 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int,
                  bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
     """x `[T, in]` (float32 or bfloat16) times a GGUF weight kept packed: `weight` `[out, row
     bytes]` uint8, the tensor's rows as the file stores them, of ggml type number `qtype`
-    (plus bias `[out]`) -> `[T, out]` in x's dtype. `path` ("vnni" or "portable") defaults to
-    `quant_path()`; the VNNI path quantizes x per 32-value block to int8 first, as llama.cpp
-    does. `quant_linear_available()` must hold."""
-    return torch.ops.arborlm.quant_linear(x, weight, int(qtype), bias,
-                                          (path or quant_path()) == "vnni")
+    (plus bias `[out]`) -> `[T, out]` in x's dtype. `path` (one of `quant_paths()`) defaults to
+    `quant_path(T)`. `quant_linear_available()` must hold."""
+    path = path or quant_path(x.shape[0])
+    if path == "bf16":
+        return torch.ops.arborlm.quant_linear(x, weight, int(qtype), bias, "float")
+    if path == "float" and x.dtype == torch.bfloat16:  # the kernel would take bf16 products
+        y = torch.ops.arborlm.quant_linear(x.float(), weight, int(qtype), bias, "float")
+        return y.bfloat16()
+    return torch.ops.arborlm.quant_linear(x, weight, int(qtype), bias, path)

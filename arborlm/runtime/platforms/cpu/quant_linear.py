@@ -1,11 +1,12 @@
 """`QuantLinear`: a CPU linear whose weight stays in GGUF's packed blocks, never dequantized.
 
 The weight is a GGUF tensor's rows as the file stores them (`[out, row bytes]` uint8, Q8_0,
-Q4_0/1, Q5_0/1, Q4_K, Q5_K or Q6_K), and every call runs `cpu_kernels.quant_linear` on them:
-AVX512-VNNI int8 dot products where the CPU has them, a portable path otherwise
-(`cpu_kernels.quant_path`). `quantize_linears` turns a float model's `nn.Linear`s into
-`QuantLinear`s by quantizing their weights with the `gguf` package's own quantizers (the 32-value
-types it writes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
+Q4_0/1, Q5_0/1, Q4_K, Q5_K or Q6_K), and every call runs `cpu_kernels.quant_linear` on them,
+on the path `cpu_kernels.quant_path` chooses for the call's number of rows (weights dequantized
+in registers against float activations from 8 rows, AVX512-VNNI dot products on activations
+in two int8 terms below that, a portable path on CPUs without AVX-512). `quantize_linears`
+turns a float model's `nn.Linear`s into `QuantLinear`s by quantizing their weights with the
+`gguf` package's own quantizers (the 32-value types it writes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 
 Not here: `--quantization` at load (`quant_loading.py`: a GGUF file's packed tensors, a float
 model's decoder), the tied embedding, or the decode executors (the fused decode step, compiled

@@ -2,21 +2,34 @@
 //
 // The weight is a GGUF tensor's bytes, one row per output column (`[out, row bytes]` uint8),
 // never dequantized into memory. A decode step streams every weight once, so a 4-bit weight
-// reads a quarter of bfloat16's bytes. Two paths, chosen per call by the caller (`vnni`):
+// reads a quarter of bfloat16's bytes. Four paths, named per call by the caller (`path`;
+// `cpu_kernels.quant_path` chooses by the CPU and the number of rows):
 //
-// - Integer dot products (AVX512-VNNI `vpdpbusd` on 256-bit vectors), as llama.cpp's CPU backend
-//   does: each row of x is first quantized per 32-value block to int8 with a float scale d
-//   (d = max|x| / 127, q = round(x / d)) and the block's scaled sum s = d * sum(q). A weight
+// - "vnni": integer dot products (AVX512-VNNI `vpdpbusd` on 256-bit vectors), as llama.cpp's CPU
+//   backend does: each row of x is first quantized per 32-value block to int8 with a float scale
+//   d (d = max|x| / 127, q = round(x / d)) and the block's scaled sum s = d * sum(q). A weight
 //   block's 32 quants are unpacked in registers to bytes; `vpdpbusd` multiplies unsigned by
 //   signed bytes, so quants with a minimum (Q4_1, Q5_1, K-quants' sub-block minimums) meet the
 //   activations unsigned and their minimum is applied through s (Q4_1: d_w * d_x * dot +
 //   m_w * s), while signed ones (Q8_0, and Q4_0, Q5_0, Q6_K with their fixed offset taken off in
-//   registers) go in as |w| against x with w's sign. Each block's eight int32 lanes (exact) are scaled in float32 and summed once per
-//   output at the end. Up to 4 rows share each unpacked weight block; columns are walked in
-//   tiles of 64 that stay in L2 while every row passes over them.
-// - A portable scalar path for CPUs without those instructions: each 32-value block dequantized
-//   to float32 on the stack and dotted with x unquantized. Compiled for baseline x86-64, so it
+//   registers) go in as |w| against x with w's sign. Each block's eight int32 lanes (exact) are
+//   scaled in float32 and summed once per output at the end. Up to 4 rows share each unpacked
+//   weight block; columns are walked in tiles of 64 that stay in L2 while every row passes.
+// - "vnni2": the same, with x in two int8 terms per block, x = d (q + q2 / 256) (q2 the
+//   residual's quants), so activations keep ~15 bits instead of 8: one more `vpdpbusd` per block
+//   and row, 256 dot(w, q) + dot(w, q2) summed exactly in int32.
+// - "float": x as it is, against weights dequantized in registers. Each work item unpacks 4
+//   weight rows (as above) into a small L1-resident buffer, float32 (scale * q + minimum, one
+//   rounding) or, for bfloat16 x where the CPU has AVX512-BF16, bfloat16 (that value rounded
+//   once, as a bfloat16 model's weights are; types of at most 32 levels look their 32 possible
+//   values up with `vpermw`), and runs up to 6 rows of x over them in register tiles of
+//   `vfmadd` or `vdpbf16ps` (products exact, float32 sums). Needs AVX-512 F/BW/VL, not VNNI.
+// - "portable", for CPUs without those instructions: each 32-value block dequantized to
+//   float32 on the stack and dotted with x unquantized. Compiled for baseline x86-64, so it
 //   runs anywhere; slower, never an illegal instruction.
+//
+// Every path computes each output as one sum in a fixed order whatever the number of rows, so
+// a row's result does not depend on the others in its call.
 //
 // Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (32-value blocks), Q4_K, Q5_K, Q6_K (256-value super-blocks,
 // taken one 32-value sub-block at a time; Q6_K's 16-value scales go to the int32 lanes that hold
@@ -30,10 +43,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -161,17 +177,24 @@ void portable(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
 // ---- the VNNI path ---------------------------------------------------------------------------
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+// What unpacking a block needs (no VNNI): shared by the integer path and the float path.
+#define BW_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
 
 // Rows of x quantized per 32-value block: quants [rows, in] int8, scales d and scaled sums
 // d * sum(q) [rows, in / 32].
 struct Activations {
   const int8_t* q;
+  const int8_t* q2;  // "vnni2": the second term's quants (residual / (d / 256)), else null
   const float* d;
   const float* s;
   int64_t in, blocks;
 };
 
-VNNI_TARGET void quantize_block(const float* xb, int8_t* q, float* d, float* s) {
+// With q2 (non-null), the block's residual x - d q is quantized too, with step d / 256
+// (|residual| <= d / 2, so its quants fit int8 once +-128 is clamped to +-127: signed weights
+// negate them): x = d (q + q2 / 256) to within d / 256, and s = d * (sum(q) + sum(q2) / 256).
+VNNI_TARGET void quantize_block(const float* xb, int8_t* q, int8_t* q2, float* d, float* s) {
   const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const float db = amax / 127.0f;
@@ -181,13 +204,30 @@ VNNI_TARGET void quantize_block(const float* xb, int8_t* q, float* d, float* s) 
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
   *d = db;
-  *s = db * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  float sum = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  if (q2 != nullptr) {
+    const __m512 fine = _mm512_set1_ps(id * 256.0f), step = _mm512_set1_ps(db);
+    const __m512 ra = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), step, a);
+    const __m512 rb = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), step, b);
+    const __m512i lowest = _mm512_set1_epi32(-127);  // -128 would not survive negation
+    const __m512i ra_q = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(ra, fine)), lowest);
+    const __m512i rb_q = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(rb, fine)), lowest);
+    const __m128i sa = _mm512_cvtsepi32_epi8(ra_q), sb = _mm512_cvtsepi32_epi8(rb_q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), sa);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16), sb);
+    const __m512i wa = _mm512_cvtepi8_epi32(sa), wb = _mm512_cvtepi8_epi32(sb);  // saturated
+    sum += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(wa, wb))) / 256.0f;
+  }
+  *s = db * sum;
 }
 
-void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d, float* s) {
+void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, int8_t* q2, float* d,
+                   float* s) {
   // Rows are contiguous and `in` a multiple of 32: block i is x[32 i .. 32 i + 32).
   at::parallel_for(0, rows * (in / 32), 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block(x + i * 32, q + i * 32, d + i, s + i);
+    for (int64_t i = begin; i < end; ++i) {
+      quantize_block(x + i * 32, q + i * 32, q2 ? q2 + i * 32 : nullptr, d + i, s + i);
+    }
   });
 }
 
@@ -200,18 +240,18 @@ struct Unpacked {
   float min_coef;
 };
 
-VNNI_TARGET inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> lows then highs
+BW_TARGET inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> lows then highs
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-VNNI_TARGET inline __m256i bits_to_16s(uint32_t bits) {  // bit i -> byte i = 16 or 0
+BW_TARGET inline __m256i bits_to_16s(uint32_t bits) {  // bit i -> byte i = 16 or 0
   return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
 }
 
 template <int QT>
-VNNI_TARGET inline Unpacked unpack(const uint8_t* row, int64_t b) {
+BW_TARGET inline Unpacked unpack(const uint8_t* row, int64_t b) {
   Unpacked u;
   if constexpr (QT == Q8_0) {
     const uint8_t* p = row + b * 34;
@@ -275,7 +315,7 @@ VNNI_TARGET inline Unpacked unpack(const uint8_t* row, int64_t b) {
 constexpr bool is_signed(int qt) { return qt == Q8_0 || qt == Q4_0 || qt == Q5_0 || qt == Q6_K; }
 
 // Columns [j0, j1) of rows [t0, t0 + MR): each output one pass over its weight row's blocks.
-template <int QT, int MR>
+template <int QT, int MR, bool SPLIT>
 VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_t row_bytes,
                       int64_t j0, int64_t j1, const float* bias, float* y, int64_t ldy) {
   for (int64_t j = j0; j < j1; ++j) {
@@ -301,9 +341,19 @@ VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_
         if constexpr (is_signed(QT)) {
           xq = _mm256_mask_sub_epi8(xq, negative, _mm256_setzero_si256(), xq);
         }
-        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq, xq);
+        __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq, xq);
+        float dx = a.d[at];
+        if constexpr (SPLIT) {  // 256 dot(w, q) + dot(w, q2): exact in int32 (|.| < 2^26)
+          __m256i xq2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q2 + at * 32));
+          if constexpr (is_signed(QT)) {
+            xq2 = _mm256_mask_sub_epi8(xq2, negative, _mm256_setzero_si256(), xq2);
+          }
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
+                                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq, xq2));
+          dx *= 1.0f / 256.0f;
+        }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                 _mm256_mul_ps(u.scale, _mm256_set1_ps(a.d[at])), acc[m]);
+                                 _mm256_mul_ps(u.scale, _mm256_set1_ps(dx)), acc[m]);
         if constexpr (!is_signed(QT)) mins[m] += u.min_coef * a.s[at];
       }
     }
@@ -319,7 +369,7 @@ VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_
 constexpr int kMaxRows = 4;       // rows sharing each unpacked weight block
 constexpr int64_t kColTile = 64;  // columns whose weight rows stay cached while all rows pass
 
-template <int QT>
+template <int QT, bool SPLIT>
 VNNI_TARGET void vnni_linear(const Activations& a, int64_t rows, const uint8_t* w,
                              int64_t row_bytes, int64_t out, const float* bias, float* y) {
   const int64_t tiles = (out + kColTile - 1) / kColTile;
@@ -328,34 +378,240 @@ VNNI_TARGET void vnni_linear(const Activations& a, int64_t rows, const uint8_t* 
       const int64_t j0 = c * kColTile, j1 = std::min(out, j0 + kColTile);
       for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {
         switch (std::min<int64_t>(kMaxRows, rows - t0)) {
-          case 4: tile<QT, 4>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          case 3: tile<QT, 3>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          case 2: tile<QT, 2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          default: tile<QT, 1>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 4: tile<QT, 4, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 3: tile<QT, 3, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 2: tile<QT, 2, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          default: tile<QT, 1, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
         }
       }
     }
   });
 }
 
+template <bool SPLIT>
 void vnni(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
           int64_t row_bytes, int64_t out, const float* bias, float* y) {
   const int64_t blocks = in / 32;
   std::vector<int8_t> q(rows * in);
   std::vector<float> d(rows * blocks), s(rows * blocks);
-  quantize_rows(x, rows, in, q.data(), d.data(), s.data());
-  const Activations a{q.data(), d.data(), s.data(), in, blocks};
+  std::vector<int8_t> q2(SPLIT ? rows * in : 0);
+  quantize_rows(x, rows, in, q.data(), SPLIT ? q2.data() : nullptr, d.data(), s.data());
+  const Activations a{q.data(), SPLIT ? q2.data() : nullptr, d.data(), s.data(), in, blocks};
   switch (qtype) {
-    case Q8_0: return vnni_linear<Q8_0>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_0: return vnni_linear<Q4_0>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_1: return vnni_linear<Q4_1>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_0: return vnni_linear<Q5_0>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_1: return vnni_linear<Q5_1>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_K: return vnni_linear<Q4_K>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_K: return vnni_linear<Q5_K>(a, rows, w, row_bytes, out, bias, y);
-    case Q6_K: return vnni_linear<Q6_K>(a, rows, w, row_bytes, out, bias, y);
+    case Q8_0: return vnni_linear<Q8_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_0: return vnni_linear<Q4_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_1: return vnni_linear<Q4_1, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_0: return vnni_linear<Q5_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_1: return vnni_linear<Q5_1, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_K: return vnni_linear<Q4_K, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_K: return vnni_linear<Q5_K, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q6_K: return vnni_linear<Q6_K, SPLIT>(a, rows, w, row_bytes, out, bias, y);
     default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
   }
+}
+
+// ---- the float path --------------------------------------------------------------------------
+
+// Weight block b of a row as 32 float32 values (0-15 and 16-31): its quants unpacked as for the
+// integer path, widened and scaled in registers, value = scale * q + minimum (one rounding).
+template <int QT>
+BW_TARGET inline void block_f32(const Unpacked& u, __m512* lo, __m512* hi) {
+  const __m128i q0 = _mm256_castsi256_si128(u.q), q1 = _mm256_extracti128_si256(u.q, 1);
+  __m512i i0, i1;
+  if constexpr (is_signed(QT)) {
+    i0 = _mm512_cvtepi8_epi32(q0);
+    i1 = _mm512_cvtepi8_epi32(q1);
+  } else {
+    i0 = _mm512_cvtepu8_epi32(q0);
+    i1 = _mm512_cvtepu8_epi32(q1);
+  }
+  // u.scale's lanes 0-3 cover values 0-15, lanes 4-7 values 16-31 (they differ for Q6_K).
+  const __m512 s0 = _mm512_broadcastss_ps(_mm256_castps256_ps128(u.scale));
+  const __m512 s1 =
+      QT == Q6_K ? _mm512_broadcastss_ps(_mm256_extractf128_ps(u.scale, 1)) : s0;
+  if constexpr (is_signed(QT)) {
+    *lo = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(i0));
+    *hi = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(i1));
+  } else {
+    const __m512 m = _mm512_set1_ps(u.min_coef);
+    *lo = _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(i0), m);
+    *hi = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(i1), m);
+  }
+}
+
+// A weight row's `blocks` blocks dequantized into out[0 .. 32 blocks): float32, or bfloat16
+// (each float32 value rounded to nearest even, as a bfloat16 model's weights are).
+template <int QT>
+BW_TARGET void dequant_f32(const uint8_t* row, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 lo, hi;
+    block_f32<QT>(unpack<QT>(row, b), &lo, &hi);
+    _mm512_storeu_ps(out + 32 * b, lo);
+    _mm512_storeu_ps(out + 32 * b + 16, hi);
+  }
+}
+
+// Types of at most 32 levels (5 bits) look their bfloat16 values up instead: the block's 32
+// possible values (scale * level + minimum, the same roundings) are one vector, and each
+// quant's low 5 bits pick its value (`vpermw`); signed quants' low bits index levels -16..-1 in
+// the table's upper half. Q8_0 and Q6_K (more levels) widen every quant.
+template <int QT>
+BF16_TARGET inline __m512i block_bf16(const uint8_t* row, int64_t b) {
+  const Unpacked u = unpack<QT>(row, b);
+  if constexpr (QT == Q8_0 || QT == Q6_K) {
+    __m512 lo, hi;
+    block_f32<QT>(u, &lo, &hi);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 high = _mm512_add_ps(low, _mm512_set1_ps(is_signed(QT) ? -16.0f : 16.0f));
+    const __m512 scale = _mm512_broadcastss_ps(_mm256_castps256_ps128(u.scale));
+    __m512 t0, t1;
+    if constexpr (is_signed(QT)) {
+      t0 = _mm512_mul_ps(scale, low);
+      t1 = _mm512_mul_ps(scale, high);
+    } else {
+      const __m512 m = _mm512_set1_ps(u.min_coef);
+      t0 = _mm512_fmadd_ps(scale, low, m);
+      t1 = _mm512_fmadd_ps(scale, high, m);
+    }
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+    return _mm512_permutexvar_epi16(_mm512_cvtepi8_epi16(u.q), table);
+  }
+}
+
+template <int QT>
+BF16_TARGET void dequant_bf16(const uint8_t* row, int64_t blocks, uint16_t* out) {
+  for (int64_t b = 0; b < blocks; ++b) _mm512_storeu_si512(out + 32 * b, block_bf16<QT>(row, b));
+}
+
+constexpr int kCols = 4;           // weight rows (outputs) dequantized together
+constexpr int kRowsF32 = 6;        // rows of x per register tile: 6 x 4 accumulators
+constexpr int kRowsBF16 = 6;
+constexpr int64_t kRowChunk = 64;  // rows of x a thread keeps in L2 while it walks the columns
+
+// Rows x[0..MR) (row stride ldx) dotted with kCols weight rows: out[m * kCols + c], each one
+// vector of partial sums over `in` reduced at the end, in the same order whatever MR (a row's
+// result does not depend on the others in its call), over the dequantized values w [kCols][in].
+template <int MR>
+BW_TARGET void micro_f32(const float* x, int64_t ldx, const float* w, int64_t in, float* out) {
+  __m512 acc[MR][kCols];
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < kCols; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 16) {
+    __m512 wv[kCols];
+    for (int c = 0; c < kCols; ++c) wv[c] = _mm512_loadu_ps(w + c * in + k);
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int c = 0; c < kCols; ++c) acc[m][c] = _mm512_fmadd_ps(xv, wv[c], acc[m][c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < kCols; ++c) out[m * kCols + c] = _mm512_reduce_add_ps(acc[m][c]);
+}
+
+template <int MR>
+BF16_TARGET void micro_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t in,
+                            float* out) {
+  __m512 acc[MR][kCols];
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < kCols; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 32) {  // 16 pairs: products exact, float32 sums
+    __m512bh wv[kCols];
+    for (int c = 0; c < kCols; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * in + k);
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+      for (int c = 0; c < kCols; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, wv[c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < kCols; ++c) out[m * kCols + c] = _mm512_reduce_add_ps(acc[m][c]);
+}
+
+using MicroF32 = void (*)(const float*, int64_t, const float*, int64_t, float*);
+using MicroBF16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+template <int... R>
+constexpr std::array<MicroF32, sizeof...(R)> f32_micros(std::integer_sequence<int, R...>) {
+  return {&micro_f32<R + 1>...};
+}
+template <int... R>
+constexpr std::array<MicroBF16, sizeof...(R)> bf16_micros(std::integer_sequence<int, R...>) {
+  return {&micro_bf16<R + 1>...};
+}
+constexpr auto kMicrosF32 = f32_micros(std::make_integer_sequence<int, kRowsF32>{});
+constexpr auto kMicrosBF16 = bf16_micros(std::make_integer_sequence<int, kRowsBF16>{});
+
+// x [rows, in] (float32, or bfloat16 bits where BF16) times the weight: work items are (chunk of
+// up to 64 rows, group of kCols outputs), chunk-major, split over the threads; each item
+// unpacks its group's weight rows into small buffers (L1-resident) and runs the chunk's rows
+// over them in register tiles. A decode step (one chunk) reads every weight block once.
+template <int QT, bool BF16>
+void float_linear(const void* xv, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
+                  int64_t out, const float* bias, float* y) {
+  using E = std::conditional_t<BF16, uint16_t, float>;
+  constexpr int kRows = BF16 ? kRowsBF16 : kRowsF32;
+  const E* x = static_cast<const E*>(xv);
+  const int64_t blocks = in / 32;
+  const int64_t groups = (out + kCols - 1) / kCols;
+  const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, chunks * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<E> buf(kCols * in);
+    float part[kRows * kCols];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = item / groups * kRowChunk, r1 = std::min(rows, r0 + kRowChunk);
+      const int64_t j0 = item % groups * kCols;
+      const int64_t cols = std::min<int64_t>(kCols, out - j0);
+      for (int c = 0; c < kCols; ++c) {  // a last group's missing rows repeat its last one
+        const uint8_t* row = w + (j0 + std::min<int64_t>(c, cols - 1)) * row_bytes;
+        if constexpr (BF16) {
+          dequant_bf16<QT>(row, blocks, buf.data() + c * in);
+        } else {
+          dequant_f32<QT>(row, blocks, buf.data() + c * in);
+        }
+      }
+      const int64_t tiles = (r1 - r0 + kRows - 1) / kRows;
+      const int64_t per_tile = (r1 - r0 + tiles - 1) / tiles;
+      for (int64_t t = r0; t < r1; t += per_tile) {
+        const int64_t mr = std::min(per_tile, r1 - t);
+        if constexpr (BF16) {
+          kMicrosBF16[mr - 1](x + t * in, in, buf.data(), in, part);
+        } else {
+          kMicrosF32[mr - 1](x + t * in, in, buf.data(), in, part);
+        }
+        for (int64_t m = 0; m < mr; ++m) {
+          for (int64_t c = 0; c < cols; ++c) {
+            y[(t + m) * out + j0 + c] = part[m * kCols + c] + (bias ? bias[j0 + c] : 0.0f);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <bool BF16>
+void float_path(int64_t qtype, const void* x, int64_t rows, int64_t in, const uint8_t* w,
+                int64_t row_bytes, int64_t out, const float* bias, float* y) {
+  switch (qtype) {
+    case Q8_0: return float_linear<Q8_0, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q4_0: return float_linear<Q4_0, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q4_1: return float_linear<Q4_1, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q5_0: return float_linear<Q5_0, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q5_1: return float_linear<Q5_1, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q4_K: return float_linear<Q4_K, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q5_K: return float_linear<Q5_K, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q6_K: return float_linear<Q6_K, BF16>(x, rows, in, w, row_bytes, out, bias, y);
+    default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
+  }
+}
+
+bool cpu_has_avx512_float() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("fma");
 }
 
 bool cpu_has_vnni() {
@@ -364,8 +620,11 @@ bool cpu_has_vnni() {
          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 }
 
+// path: "portable", "vnni" (x quantized to int8), "vnni2" (x in two int8 terms) or "float" (x
+// as it is: bfloat16 through the AVX512-BF16 dot product where the CPU has it, otherwise
+// widened to float32 for FMAs).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
-                        const std::optional<at::Tensor>& bias, bool use_vnni) {
+                        const std::optional<at::Tensor>& bias, c10::string_view path) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "quant_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [rows, in], got ", x.sizes());
   const auto dtype = x.scalar_type();
@@ -388,13 +647,29 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
                 "quant_linear: bias must be [out] = [", out, "], got ", bias->sizes());
     b = bias->to(at::kFloat).contiguous();
   }
+  const bool split = path == "vnni2", use_vnni = path == "vnni" || split,
+             use_float = path == "float";
+  TORCH_CHECK(use_vnni || use_float || path == "portable",
+              "quant_linear: path must be portable, vnni, vnni2 or float, got ", path);
   TORCH_CHECK(!use_vnni || cpu_has_vnni(), "quant_linear: this CPU lacks AVX512-VNNI");
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({rows, out}, x32.options());
+  TORCH_CHECK(!use_float || cpu_has_avx512_float(),
+              "quant_linear: this CPU lacks AVX-512 (F, BW, VL) with F16C and FMA");
+  const bool bf16_dot = use_float && dtype == at::kBFloat16 &&
+                        __builtin_cpu_supports("avx512bf16");
+  const at::Tensor xc = bf16_dot ? x.contiguous() : x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
   if (rows > 0 && out > 0) {
-    auto* fn = use_vnni ? &vnni : &portable;
-    fn(qtype, x32.data_ptr<float>(), rows, in, weight.data_ptr<uint8_t>(), row_bytes, out,
-       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    const uint8_t* wp = weight.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    if (bf16_dot) {
+      float_path<true>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
+    } else if (use_float) {
+      float_path<false>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
+    } else {
+      auto* fn = split ? &vnni<true> : use_vnni ? &vnni<false> : &portable;
+      fn(qtype, xc.data_ptr<float>(), rows, in, wp, row_bytes, out, bp, yp);
+    }
   }
   return dtype == at::kFloat ? y : y.to(dtype);
 }
@@ -402,7 +677,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(arborlm, m) {
-  m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias, bool vnni) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias, str path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arborlm, CPU, m) {
