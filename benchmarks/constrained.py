@@ -259,51 +259,65 @@ def compile_rows(engine, args, backends: list[str]) -> list[tuple]:
 
 
 def coverage(args) -> None:
-    from schema_coverage import HEADER, engine_alone, load_all, overhead_rows, run_side
+    import schema_coverage as sc
 
     from arborlm.runtime.engine import Engine
 
-    rows = load_all(args.coverage_schemas)
-    alone_rows = rows[:args.coverage_alone_schemas or len(rows)]
-
-    def make_engine():
-        return Engine(args.model_path)
-
-    results = []
-    for side, backend, alone in (("ArborLM", "xgrammar", False),
-                                 ("xgrammar alone", "xgrammar", True),
-                                 ("outlines-core alone", "outlines", True)):
-        engine = make_engine()
-        try:
-            if alone:
-                with engine_alone():
-                    results.append(run_side(engine, side, backend, alone_rows,
+    rows = sc.load_all(args.coverage_schemas)
+    sample = sc.alone_sample(rows, args.coverage_alone_schemas, args.seed)
+    in_sample = {sid for sid, _ in sample}
+    # ArborLM first (its figures matter most), the sample last: its prompts are then still in
+    # the prefix cache for the engine-alone sides.
+    arbor_rows = [row for row in rows if row[0] not in in_sample] + sample
+    engine = Engine(args.model_path, grammar_compile_timeout=sc.COMPILE_TIMEOUT_S)
+    start = time.perf_counter()
+    results, outcome = [], {}
+    try:
+        for side, backend, alone, side_rows in (
+                ("ArborLM", "xgrammar", False, arbor_rows),
+                ("xgrammar alone", "xgrammar", True, sample),
+                ("outlines-core alone", "outlines", True, sample)):
+            cov, side_outcome = sc.run_side(engine, side, backend, side_rows,
                                             args.coverage_max_new_tokens,
-                                            args.coverage_schema_tokens))
-            else:
-                results.append(run_side(engine, side, backend, rows,
-                                        args.coverage_max_new_tokens,
-                                        args.coverage_schema_tokens))
-        finally:
-            engine.shutdown()
-        done = results[-1]
-        print(f"{side}: done in {done.seconds:.0f} s ({done.prompt_tokens} prompt tokens): "
-              + ", ".join(f"{k} {v}" for k, v in zip(HEADER[1:], done.row()[1:])), flush=True)
-        for sid, why, text in done.invalid:
-            print(f"  invalid ({side}) {sid}: {why}\n    {text!r}", flush=True)
-    skipped = results[0].too_long
-    print(f"\ncoverage: the first {len(rows)} JSONSchemaBench dev schemas (the engine-alone "
-          f"sides: the first {len(alone_rows)}), greedy, at most {args.coverage_max_new_tokens} "
-          f"new tokens, schemas shown compactly up to {args.coverage_schema_tokens} tokens "
-          f"({skipped} prompts too long for the context are not counted), load "
-          f"average {os.getloadavg()[0]:.1f}")
-    print(table([c.row() for c in results], HEADER))
-    for c in results:
+                                            args.coverage_schema_tokens, alone=alone,
+                                            concurrency=args.coverage_concurrency, verbose=True)
+            outcome = outcome or side_outcome  # ArborLM's
+            results.append(cov)
+            print(f"{side}: done in {cov.seconds:.0f} s ({cov.prompt_tokens} prompt tokens, "
+                  f"load average {os.getloadavg()[0]:.1f}): "
+                  + ", ".join(f"{k} {v}" for k, v in zip(sc.HEADER[1:], cov.row()[1:])),
+                  flush=True)
+        if len(sample) < len(rows):
+            results.append(sc.recount(f"ArborLM, the same {len(sample)}", sample, results[0],
+                                      outcome))
+        coverage_seconds = time.perf_counter() - start
+        info = engine.get_server_info()
+        overhead, ratio = sc.overhead_rows(engine, rows, args.overhead_schemas,
+                                        args.overhead_max_new_tokens, args.repeats)
+    finally:
+        engine.shutdown()
+    arbor = results[0]
+    print(f"\ncoverage: {len(rows)} JSONSchemaBench dev schemas (the engine-alone sides: a "
+          f"random sample of {len(sample)}, seed {args.seed}), greedy, at most "
+          f"{args.coverage_max_new_tokens} new tokens, schemas shown compactly up to "
+          f"{args.coverage_schema_tokens} tokens, {args.coverage_concurrency} requests in "
+          f"flight, one engine; {coverage_seconds:.0f} s in all ({arbor.too_long} prompts too "
+          f"long for the context are not counted); guard bans {info['grammar_guard_bans']}, "
+          f"rollbacks {info['grammar_guard_rollbacks']}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(table([c.row() for c in results], sc.HEADER))
+    counted = arbor.schemas - arbor.too_long
+    print(f"target: >= 98% accepted in strict mode: {100 * arbor.accepted / counted:.1f}% "
+          f"({'met' if arbor.accepted >= 0.98 * counted else 'NOT met'}); every finished "
+          f"output valid: {arbor.valid}/{arbor.finished} "
+          f"({'met' if arbor.valid == arbor.finished else 'NOT met'})")
+    for c in results[:3]:
         for sid, why, text in c.invalid:
             print(f"  invalid ({c.side}) {sid}: {why}\n    {text!r}")
-    overhead, ratio = overhead_rows(make_engine, rows, args.overhead_schemas, 128, args.repeats)
-    print(f"\nguard overhead: schemas that need no guard, {args.repeats} alternating runs, at "
-          f"most 128 new tokens (median output tok/s)")
+    for sid, why in arbor.aborts:
+        print(f"  aborted (ArborLM) {sid}: {why}")
+    print(f"\nguard overhead: schemas that need no guard, {args.repeats} alternating runs in "
+          f"one engine, at most {args.overhead_max_new_tokens} new tokens (median output tok/s)")
     print(table(overhead, ("side", "schemas", "output tok/s")))
     print(f"ArborLM / xgrammar alone: {ratio:.3f} (target >= 0.90)\n", flush=True)
 
@@ -329,8 +343,12 @@ def main() -> None:
                     help="tokens of each schema shown in its prompt (longer ones are cut, "
                          "marked; the grammar still enforces the whole schema)")
     ap.add_argument("--coverage-alone-schemas", type=int, default=None,
-                    help="schemas for the engine-alone sides (default: --coverage-schemas)")
-    ap.add_argument("--overhead-schemas", type=int, default=48)
+                    help="a random sample (--seed) of this many schemas for the engine-alone "
+                         "sides (default: all --coverage-schemas)")
+    ap.add_argument("--coverage-concurrency", type=int, default=64,
+                    help="coverage requests in flight at once")
+    ap.add_argument("--overhead-schemas", type=int, default=32)
+    ap.add_argument("--overhead-max-new-tokens", type=int, default=96)
     args = ap.parse_args()
     if args.coverage_schemas:
         coverage(args)
