@@ -24,7 +24,9 @@ On the default model (SmolLM2-135M-Instruct, the real one), in one run:
 2. per-token mask time (median, p99) for each backend: `fill_bitmask` plus
    `apply_token_bitmask_` on a vocabulary-wide row, replaying that backend's outputs.
 3. compile time (median, p90) for each backend over a seeded sample of JSONSchemaBench schemas
-   (`shared/data/jsonschemabench-dev.jsonl`), each compiled once, without a cache.
+   (`shared/data/jsonschemabench-dev.jsonl`), each compiled once, without a cache, through
+   ArborLM's pipeline (strict) and by the backend alone; `--compile-only` runs this table
+   alone (`--compile-schemas 500`: all of them).
 4. decode steps saved by jump-forward: "forced tokens" counts, over the batch, the tokens
    that took no decode step of their own (`meta_info.jump_forward_steps`); "decode steps"
    counts the engine's batched decode steps for the whole batch. At batch 16 the scheduler
@@ -44,6 +46,7 @@ schemas that need none <= 10%.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -243,19 +246,37 @@ def run_alone(engine, args, backend: str) -> list[tuple]:
 
 
 def compile_rows(engine, args, backends: list[str]) -> list[tuple]:
+    """Per backend: ArborLM's pipeline (checks, rewrites, guard plan; strict), then the
+    backend alone (the schema as given, `schema_coverage.engine_alone`)."""
+    from schema_coverage import engine_alone
+
     from arborlm.constrained import create_grammar_backend
 
     schemas = load_schemas(args.compile_schemas, args.seed)
     rows = []
     for name in backends:
-        backend = create_grammar_backend(name, engine.tokenizer, engine.config.model.vocab_size,
-                                         list(engine.scheduler.results.eos_ids),
-                                         compile_timeout_s=args.compile_timeout)
-        _, outcome, times = compile_all(backend, schemas)
-        rows.append((name, f"{outcome['compiled']}/{len(schemas)}", outcome["refused"],
-                     outcome["timed out"], f"{percentile(times, 50) * 1e3:.1f}",
-                     f"{percentile(times, 90) * 1e3:.1f}"))
+        for alone in (False, True):
+            backend = create_grammar_backend(name, engine.tokenizer,
+                                             engine.config.model.vocab_size,
+                                             list(engine.scheduler.results.eos_ids),
+                                             compile_timeout_s=args.compile_timeout)
+            with engine_alone() if alone else contextlib.nullcontext():
+                _, outcome, times = compile_all(backend, schemas)
+            rows.append((f"{name} alone" if alone else f"ArborLM ({name}, strict)",
+                         f"{outcome['compiled']}/{len(schemas)}", outcome["refused"],
+                         outcome["timed out"], f"{percentile(times, 50) * 1e3:.1f}",
+                         f"{percentile(times, 90) * 1e3:.1f}"))
+            print(f"  compiled: {rows[-1]}", flush=True)
     return rows
+
+
+def print_compile_rows(engine, args, backends: list[str]) -> None:
+    compiled = compile_rows(engine, args, backends)
+    print(f"\ncompile: {len(load_schemas(args.compile_schemas, args.seed))} JSONSchemaBench "
+          f"schemas (seed {args.seed}), one at a time, limit {args.compile_timeout:g} s, no "
+          f"cache, load average {os.getloadavg()[0]:.1f}")
+    print(table(compiled, ("pipeline", "compiled", "refused", "timed out", "p50 ms", "p90 ms")))
+    sys.stdout.flush()
 
 
 def coverage(args) -> None:
@@ -349,8 +370,10 @@ def main() -> None:
                     help="coverage requests in flight at once")
     ap.add_argument("--overhead-schemas", type=int, default=32)
     ap.add_argument("--overhead-max-new-tokens", type=int, default=96)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only the compile table")
     args = ap.parse_args()
-    if args.coverage_schemas:
+    if args.coverage_schemas and not args.compile_only:
         coverage(args)
 
     from arborlm.constrained import create_grammar_backend
@@ -363,6 +386,10 @@ def main() -> None:
     print(f"model {engine.config.model.path} (vocabulary {vocab}, {dtype}), batch {args.batch}, "
           f"greedy, {args.repeats} repeats, torch threads {torch.get_num_threads()}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    if args.compile_only:
+        print_compile_rows(engine, args, backends)
+        engine.shutdown()
+        os._exit(0)
     rows, outputs = run_throughput(engine, args, backends)
     print("decode throughput (same prompts and output lengths)")
     print(table(rows, ("configuration", "tokens", "decode steps", "forced tokens", "tok/s",
@@ -380,11 +407,7 @@ def main() -> None:
                            f"{percentile(times, 99) * 1e6:.1f}"))
     print(f"\nmask per token: fill_bitmask + apply_token_bitmask_ on a {vocab}-wide row")
     print(table(mask_table, ("backend", "tokens", "p50 us", "p99 us")))
-    compiled = compile_rows(engine, args, backends)
-    print(f"\ncompile: {args.compile_schemas} JSONSchemaBench schemas (seed {args.seed}), "
-          f"limit {args.compile_timeout:g} s, no cache")
-    print(table(compiled, ("backend", "compiled", "refused", "timed out", "p50 ms", "p90 ms")))
-    sys.stdout.flush()
+    print_compile_rows(engine, args, backends)
     engine.shutdown()
     os._exit(0)  # do not wait for compiles abandoned at their time limit
 
