@@ -24,7 +24,9 @@ On the default model (SmolLM2-135M-Instruct, the real one), in one run:
 2. per-token mask time (median, p99) for each backend: `fill_bitmask` plus
    `apply_token_bitmask_` on a vocabulary-wide row, replaying that backend's outputs.
 3. compile time (median, p90) for each backend over a seeded sample of JSONSchemaBench schemas
-   (`shared/data/jsonschemabench-dev.jsonl`), each compiled once, without a cache.
+   (`shared/data/jsonschemabench-dev.jsonl`), each compiled once, without a cache, through
+   ArborLM's pipeline (strict) and by the backend alone; `--compile-only` runs this table
+   alone (`--compile-schemas 500`: all of them).
 4. decode steps saved by jump-forward: "forced tokens" counts, over the batch, the tokens
    that took no decode step of their own (`meta_info.jump_forward_steps`); "decode steps"
    counts the engine's batched decode steps for the whole batch. At batch 16 the scheduler
@@ -44,6 +46,7 @@ schemas that need none <= 10%.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -243,67 +246,99 @@ def run_alone(engine, args, backend: str) -> list[tuple]:
 
 
 def compile_rows(engine, args, backends: list[str]) -> list[tuple]:
+    """Per backend: ArborLM's pipeline (checks, rewrites, guard plan; strict), then the
+    backend alone (the schema as given, `schema_coverage.engine_alone`)."""
+    from schema_coverage import engine_alone
+
     from arborlm.constrained import create_grammar_backend
 
     schemas = load_schemas(args.compile_schemas, args.seed)
     rows = []
     for name in backends:
-        backend = create_grammar_backend(name, engine.tokenizer, engine.config.model.vocab_size,
-                                         list(engine.scheduler.results.eos_ids),
-                                         compile_timeout_s=args.compile_timeout)
-        _, outcome, times = compile_all(backend, schemas)
-        rows.append((name, f"{outcome['compiled']}/{len(schemas)}", outcome["refused"],
-                     outcome["timed out"], f"{percentile(times, 50) * 1e3:.1f}",
-                     f"{percentile(times, 90) * 1e3:.1f}"))
+        for alone in (False, True):
+            backend = create_grammar_backend(name, engine.tokenizer,
+                                             engine.config.model.vocab_size,
+                                             list(engine.scheduler.results.eos_ids),
+                                             compile_timeout_s=args.compile_timeout)
+            with engine_alone() if alone else contextlib.nullcontext():
+                _, outcome, times = compile_all(backend, schemas)
+            rows.append((f"{name} alone" if alone else f"ArborLM ({name}, strict)",
+                         f"{outcome['compiled']}/{len(schemas)}", outcome["refused"],
+                         outcome["timed out"], f"{percentile(times, 50) * 1e3:.1f}",
+                         f"{percentile(times, 90) * 1e3:.1f}"))
+            print(f"  compiled: {rows[-1]}", flush=True)
     return rows
 
 
+def print_compile_rows(engine, args, backends: list[str]) -> None:
+    compiled = compile_rows(engine, args, backends)
+    print(f"\ncompile: {len(load_schemas(args.compile_schemas, args.seed))} JSONSchemaBench "
+          f"schemas (seed {args.seed}), one at a time, limit {args.compile_timeout:g} s, no "
+          f"cache, load average {os.getloadavg()[0]:.1f}")
+    print(table(compiled, ("pipeline", "compiled", "refused", "timed out", "p50 ms", "p90 ms")))
+    sys.stdout.flush()
+
+
 def coverage(args) -> None:
-    from schema_coverage import HEADER, engine_alone, load_all, overhead_rows, run_side
+    import schema_coverage as sc
 
     from arborlm.runtime.engine import Engine
 
-    rows = load_all(args.coverage_schemas)
-    alone_rows = rows[:args.coverage_alone_schemas or len(rows)]
-
-    def make_engine():
-        return Engine(args.model_path)
-
-    results = []
-    for side, backend, alone in (("ArborLM", "xgrammar", False),
-                                 ("xgrammar alone", "xgrammar", True),
-                                 ("outlines-core alone", "outlines", True)):
-        engine = make_engine()
-        try:
-            if alone:
-                with engine_alone():
-                    results.append(run_side(engine, side, backend, alone_rows,
+    rows = sc.load_all(args.coverage_schemas)
+    sample = sc.alone_sample(rows, args.coverage_alone_schemas, args.seed)
+    in_sample = {sid for sid, _ in sample}
+    # ArborLM first (its figures matter most), the sample last: its prompts are then still in
+    # the prefix cache for the engine-alone sides.
+    arbor_rows = [row for row in rows if row[0] not in in_sample] + sample
+    engine = Engine(args.model_path, grammar_compile_timeout=sc.COMPILE_TIMEOUT_S)
+    start = time.perf_counter()
+    results, outcome = [], {}
+    try:
+        for side, backend, alone, side_rows in (
+                ("ArborLM", "xgrammar", False, arbor_rows),
+                ("xgrammar alone", "xgrammar", True, sample),
+                ("outlines-core alone", "outlines", True, sample)):
+            cov, side_outcome = sc.run_side(engine, side, backend, side_rows,
                                             args.coverage_max_new_tokens,
-                                            args.coverage_schema_tokens))
-            else:
-                results.append(run_side(engine, side, backend, rows,
-                                        args.coverage_max_new_tokens,
-                                        args.coverage_schema_tokens))
-        finally:
-            engine.shutdown()
-        done = results[-1]
-        print(f"{side}: done in {done.seconds:.0f} s ({done.prompt_tokens} prompt tokens): "
-              + ", ".join(f"{k} {v}" for k, v in zip(HEADER[1:], done.row()[1:])), flush=True)
-        for sid, why, text in done.invalid:
-            print(f"  invalid ({side}) {sid}: {why}\n    {text!r}", flush=True)
-    skipped = results[0].too_long
-    print(f"\ncoverage: the first {len(rows)} JSONSchemaBench dev schemas (the engine-alone "
-          f"sides: the first {len(alone_rows)}), greedy, at most {args.coverage_max_new_tokens} "
-          f"new tokens, schemas shown compactly up to {args.coverage_schema_tokens} tokens "
-          f"({skipped} prompts too long for the context are not counted), load "
-          f"average {os.getloadavg()[0]:.1f}")
-    print(table([c.row() for c in results], HEADER))
-    for c in results:
+                                            args.coverage_schema_tokens, alone=alone,
+                                            concurrency=args.coverage_concurrency, verbose=True)
+            outcome = outcome or side_outcome  # ArborLM's
+            results.append(cov)
+            print(f"{side}: done in {cov.seconds:.0f} s ({cov.prompt_tokens} prompt tokens, "
+                  f"load average {os.getloadavg()[0]:.1f}): "
+                  + ", ".join(f"{k} {v}" for k, v in zip(sc.HEADER[1:], cov.row()[1:])),
+                  flush=True)
+        if len(sample) < len(rows):
+            results.append(sc.recount(f"ArborLM, the same {len(sample)}", sample, results[0],
+                                      outcome))
+        coverage_seconds = time.perf_counter() - start
+        info = engine.get_server_info()
+        overhead, ratio = sc.overhead_rows(engine, rows, args.overhead_schemas,
+                                        args.overhead_max_new_tokens, args.repeats)
+    finally:
+        engine.shutdown()
+    arbor = results[0]
+    print(f"\ncoverage: {len(rows)} JSONSchemaBench dev schemas (the engine-alone sides: a "
+          f"random sample of {len(sample)}, seed {args.seed}), greedy, at most "
+          f"{args.coverage_max_new_tokens} new tokens, schemas shown compactly up to "
+          f"{args.coverage_schema_tokens} tokens, {args.coverage_concurrency} requests in "
+          f"flight, one engine; {coverage_seconds:.0f} s in all ({arbor.too_long} prompts too "
+          f"long for the context are not counted); guard bans {info['grammar_guard_bans']}, "
+          f"rollbacks {info['grammar_guard_rollbacks']}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(table([c.row() for c in results], sc.HEADER))
+    counted = arbor.schemas - arbor.too_long
+    print(f"target: >= 98% accepted in strict mode: {100 * arbor.accepted / counted:.1f}% "
+          f"({'met' if arbor.accepted >= 0.98 * counted else 'NOT met'}); every finished "
+          f"output valid: {arbor.valid}/{arbor.finished} "
+          f"({'met' if arbor.valid == arbor.finished else 'NOT met'})")
+    for c in results[:3]:
         for sid, why, text in c.invalid:
             print(f"  invalid ({c.side}) {sid}: {why}\n    {text!r}")
-    overhead, ratio = overhead_rows(make_engine, rows, args.overhead_schemas, 128, args.repeats)
-    print(f"\nguard overhead: schemas that need no guard, {args.repeats} alternating runs, at "
-          f"most 128 new tokens (median output tok/s)")
+    for sid, why in arbor.aborts:
+        print(f"  aborted (ArborLM) {sid}: {why}")
+    print(f"\nguard overhead: schemas that need no guard, {args.repeats} alternating runs in "
+          f"one engine, at most {args.overhead_max_new_tokens} new tokens (median output tok/s)")
     print(table(overhead, ("side", "schemas", "output tok/s")))
     print(f"ArborLM / xgrammar alone: {ratio:.3f} (target >= 0.90)\n", flush=True)
 
@@ -329,10 +364,16 @@ def main() -> None:
                     help="tokens of each schema shown in its prompt (longer ones are cut, "
                          "marked; the grammar still enforces the whole schema)")
     ap.add_argument("--coverage-alone-schemas", type=int, default=None,
-                    help="schemas for the engine-alone sides (default: --coverage-schemas)")
-    ap.add_argument("--overhead-schemas", type=int, default=48)
+                    help="a random sample (--seed) of this many schemas for the engine-alone "
+                         "sides (default: all --coverage-schemas)")
+    ap.add_argument("--coverage-concurrency", type=int, default=64,
+                    help="coverage requests in flight at once")
+    ap.add_argument("--overhead-schemas", type=int, default=32)
+    ap.add_argument("--overhead-max-new-tokens", type=int, default=96)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only the compile table")
     args = ap.parse_args()
-    if args.coverage_schemas:
+    if args.coverage_schemas and not args.compile_only:
         coverage(args)
 
     from arborlm.constrained import create_grammar_backend
@@ -345,6 +386,10 @@ def main() -> None:
     print(f"model {engine.config.model.path} (vocabulary {vocab}, {dtype}), batch {args.batch}, "
           f"greedy, {args.repeats} repeats, torch threads {torch.get_num_threads()}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    if args.compile_only:
+        print_compile_rows(engine, args, backends)
+        engine.shutdown()
+        os._exit(0)
     rows, outputs = run_throughput(engine, args, backends)
     print("decode throughput (same prompts and output lengths)")
     print(table(rows, ("configuration", "tokens", "decode steps", "forced tokens", "tok/s",
@@ -362,11 +407,7 @@ def main() -> None:
                            f"{percentile(times, 99) * 1e6:.1f}"))
     print(f"\nmask per token: fill_bitmask + apply_token_bitmask_ on a {vocab}-wide row")
     print(table(mask_table, ("backend", "tokens", "p50 us", "p99 us")))
-    compiled = compile_rows(engine, args, backends)
-    print(f"\ncompile: {args.compile_schemas} JSONSchemaBench schemas (seed {args.seed}), "
-          f"limit {args.compile_timeout:g} s, no cache")
-    print(table(compiled, ("backend", "compiled", "refused", "timed out", "p50 ms", "p90 ms")))
-    sys.stdout.flush()
+    print_compile_rows(engine, args, backends)
     engine.shutdown()
     os._exit(0)  # do not wait for compiles abandoned at their time limit
 

@@ -203,6 +203,42 @@ def test_exhausted_retries_abort_alone_others_unchanged(engine):
     engine.check_integrity()
 
 
+def test_rollbacks_stop_at_their_token_budget(engine):
+    """Every array of ten digits violates this `not`, so each attempt is rolled back whole (more
+    than 20 tokens); the tokens one request's rollbacks drop stay within GUARD_ROLLBACK_BUDGET x
+    max_new_tokens (64 bans would drop over a thousand), then it aborts with a message naming
+    the budget, and a request beside it finishes as it does alone."""
+    from arborlm.runtime.scheduler.grammar_manager import GUARD_ROLLBACK_BUDGET
+
+    max_new = 30
+    budget = GUARD_ROLLBACK_BUDGET * max_new
+    never = {**UNIQUE, "minItems": 10, "maxItems": 10, "uniqueItems": False,
+             "not": {"items": {"type": "integer"}}}
+    other = {**GREEDY, "json_schema": json.dumps(UNIQUE)}
+    alone = run(engine, PROMPTS[1], other)[0]
+    before = engine.get_server_info()
+    out, beside = run(engine, PROMPTS[:2], [
+        {**GREEDY, "max_new_tokens": max_new, "json_schema": json.dumps(never)}, other])
+    after = engine.get_server_info()
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400, reason
+    assert "violates not" in reason["message"] and f"past the budget of {budget} " in \
+        reason["message"], reason
+    dropped = after["grammar_guard_dropped_tokens"] - before["grammar_guard_dropped_tokens"]
+    dropped -= beside_dropped(engine, other)
+    assert budget // 2 < dropped <= budget, dropped
+    assert beside["output_ids"] == alone["output_ids"]
+    assert after["grammar_active"] == 0
+    engine.check_integrity()
+
+
+def beside_dropped(engine, params) -> int:
+    """Tokens the rollbacks of one request with `params` drop when it runs alone."""
+    before = engine.get_server_info()["grammar_guard_dropped_tokens"]
+    run(engine, PROMPTS[1], params)
+    return engine.get_server_info()["grammar_guard_dropped_tokens"] - before
+
+
 def test_multiprocess_runtime_rolls_back_the_same(engine, path):
     """Through the scheduler and detokenizer processes: the same outputs, streamed chunks
     included, as in process."""

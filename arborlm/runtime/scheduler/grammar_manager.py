@@ -33,9 +33,11 @@ grammar` is (kind, spec)):
    token was forced) has its token banned for this step instead and the row sampled again.
    When a position's bans leave nothing, the request goes back to the last earlier choice
    (`back_off`). `ban` counts every ban: at most `MAX_GUARD_BANS_PER_STEP` at one position and
-   `MAX_GUARD_BANS_PER_REQUEST` in all; past them, or with no earlier choice left that was not
-   yet reported to the client, `dead_end` finishes that request alone with `abort` (status 400)
-   and a message naming the reason.
+   `MAX_GUARD_BANS_PER_REQUEST` in all; a request's rollbacks may drop at most
+   `GUARD_ROLLBACK_BUDGET` x its `max_new_tokens` tokens in all (each dropped token was computed
+   and is generated again, so one request never costs unbounded compute); past them, or with no
+   earlier choice left that was not yet reported to the client, `dead_end` finishes that request
+   alone with `abort` (status 400) and a message naming the reason.
 5. Jump-forward: `jump_forward(req, limit)` lists the tokens the grammar forces next. The result
    processor appends them (logprob 0.0: each is the only token the mask leaves) without masking
    or sampling them, and the scheduler computes their KV: in one extend step when the batch
@@ -71,6 +73,9 @@ from arborlm.runtime.scheduler.results import fail_request, per_request
 # grammar mask minus the bans allows nothing, the request ends with `abort` and this status.
 MAX_GUARD_BANS_PER_STEP = 16
 MAX_GUARD_BANS_PER_REQUEST = 64
+# Tokens a request's rollbacks may drop in all, in multiples of its `max_new_tokens`: a request
+# then computes at most (1 + this) x max_new_tokens output tokens.
+GUARD_ROLLBACK_BUDGET = 4
 GUARD_DEAD_END_STATUS = 400
 
 
@@ -87,8 +92,10 @@ class GrammarManager:
         self._pending: dict[Req, Future] = {}
         self._active = 0  # requests holding a matcher
         self._bans: dict[Req, int] = {}  # guard bans so far, per request that had any
+        self._dropped: dict[Req, int] = {}  # tokens its rollbacks dropped, per request
         self.guard_bans = 0  # in all, since start
         self.rollbacks = 0  # of them, those that rolled a request back (since start)
+        self.dropped_tokens = 0  # output tokens those rollbacks dropped (since start)
         self._bitmask = allocate_token_bitmask(1, vocab_size)  # [rows, W], grown on demand
 
     # --- compiling ----------------------------------------------------------------------------
@@ -162,6 +169,8 @@ class GrammarManager:
             self._active -= 1
         if self._bans:
             self._bans.pop(req, None)
+        if self._dropped:
+            self._dropped.pop(req, None)
 
     # --- the decode loop (ResultProcessor.grammar_hook) ----------------------------------------
 
@@ -254,13 +263,21 @@ class GrammarManager:
             self._rewind(req, reason, position)
 
     def _rewind(self, req: Req, reason: str, position: int) -> None:
+        dropped = self._dropped.get(req, 0) + len(req.output_ids) - position
+        budget = GUARD_ROLLBACK_BUDGET * req.sampling_params.max_new_tokens
         if position < req.emitted_ids:
             self.dead_end(req, reason, "the value's choices were already sent")
+        elif dropped > budget:
+            self.dead_end(req, reason, f"rolling back would bring the tokens its rollbacks "
+                          f"dropped to {dropped}, past the budget of {budget} "
+                          f"({GUARD_ROLLBACK_BUDGET} x max_new_tokens)")
         elif not self.ban(req, req.grammar.bans_at(position) + 1):
             self.dead_end(req, reason, "the guard's retries ran out")
         else:
             req.grammar.ban_at(position, req.output_ids[position])
             req.rewind_to = position
+            self.dropped_tokens += dropped - self._dropped.get(req, 0)
+            self._dropped[req] = dropped
             self.rollbacks += 1
 
     def dead_end(self, req: Req, reason: str, what: str) -> None:
@@ -285,5 +302,6 @@ class GrammarManager:
         return {"grammar_compiling": len(self._pending), "grammar_active": self._active,
                 "grammar_guard_bans": self.guard_bans,
                 "grammar_guard_rollbacks": self.rollbacks,
+                "grammar_guard_dropped_tokens": self.dropped_tokens,
                 "grammar_cache_hits": stats.hits, "grammar_cache_misses": stats.misses,
                 "grammar_errors": stats.errors, "grammar_timeouts": stats.timeouts}
