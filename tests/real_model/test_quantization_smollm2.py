@@ -77,9 +77,10 @@ def _log_probs(model: torch.nn.Module, config: ModelConfig, ids: list[int]) -> t
 def _agreement(gguf_path: str, kernel_path: str) -> tuple[float, float]:
     """(top-1 agreement, mean KL) of the packed model against the dequantized one."""
     config, quantized, ref = _models(gguf_path)
-    packed = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
+    packed = [m for m in quantized.model.layers.modules() if isinstance(m, QuantLinear)]
     assert len(packed) == 4 * config.num_layers  # q/k/v and gate/up stacked: all Q4_1
     assert {m.qtype.name for m in packed} == {"Q4_1"}
+    assert quantized.lm_head.qtype.name == "Q8_0"  # the tied embedding's table
     ids = _corpus_ids(gguf_path, POSITIONS[kernel_path])
     got, want = _log_probs(quantized, config, ids), _log_probs(ref, config, ids)
     kl = (want.exp() * (want - got)).sum(-1).mean().item()
