@@ -68,9 +68,7 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
             raise
         raise ModelLoadError(f"{config.path}: {e}") from e
     if quantization not in (None, "gguf"):
-        from gguf import GGMLQuantizationType
-
         from arborlm.runtime.platforms.cpu.quant_loading import quantize_model
 
-        quantize_model(model, GGMLQuantizationType[quantization.upper()])
+        quantize_model(model, quantization)
     return model.eval()
