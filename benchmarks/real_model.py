@@ -139,8 +139,10 @@ def row(name: str, ours: str, arbor, peer_label: str, peer, repeats: int, vocab:
     a, p = paired(repeats, lambda: measure(name, arbor, vocab),
                   None if peer is None else lambda: measure(name, peer, vocab))
     ratio = "-" if p is None else f"{statistics.median(x / y for x, y in zip(a, p)):.2f}x"
-    return (name, ours, f"{statistics.median(a):.2f} {unit}", peer_label,
-            "-" if p is None else f"{statistics.median(p):.2f} {unit}", ratio)
+    out = (name, ours, f"{statistics.median(a):.2f} {unit}", peer_label,
+           "-" if p is None else f"{statistics.median(p):.2f} {unit}", ratio)
+    print(" | ".join(out), f"(load average {os.getloadavg()[0]:.1f})", flush=True)  # as it goes
+    return out
 
 
 def dequantized_rows(args: argparse.Namespace, path: Path, vocab: int) -> list[tuple]:

@@ -15,9 +15,10 @@ checked on both of `quant_linear`'s paths:
   issue's 0.01, but top-1 93.75%, under its 98% (with the output head in float: 0.0024 and
   97.25%; 94.75% on README.md's text; the head, Q8_0 over int8 activations, costs the rest), and
   the chat answer to "What is the capital of France?" goes astray at its first token
-  ("L'Étoile, la Marseillaise, ..."), where the portable path and the unquantized engine say "The capital of
-  France is Paris.". Those two checks are strict xfails on the VNNI path: a known accuracy gap of
-  int8 activations on this 135M model, left open (they fail as XPASS once it closes).
+  ("L'Étoile, la Marseillaise, ..."), where the portable path and the unquantized engine say
+  "The capital of France is Paris.". Those two checks are strict xfails on the VNNI path: a
+  known accuracy gap of int8 activations on this 135M model, left open (they fail as XPASS once
+  it closes).
 """
 
 from __future__ import annotations
