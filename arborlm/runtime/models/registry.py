@@ -39,8 +39,9 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
     safetensors or GGUF weights (cast to that dtype as they are copied), and return it in eval
     mode. With `tp`, the model is this rank's shard (each checkpoint tensor is read whole and
     only this rank's part kept). With `quantization` (`EngineArgs.quantization`, already checked
-    to apply), the decoder's linears are `QuantLinear`s: a GGUF file's packed blocks (`gguf`) or
-    the float weights quantized to that type; with `tp`, this rank's blocks of them.
+    to apply), the linears and embedding compute from packed blocks: a GGUF file's own (`gguf`)
+    or the float weights quantized at load (`platforms/cpu/quant_loading.py`); with `tp`, this
+    rank's blocks of them.
 
     Raises `ModelLoadError` (with the model directory) for missing or unreadable weight files,
     missing, unexpected or misshapen tensors.
@@ -72,9 +73,7 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
             raise
         raise ModelLoadError(f"{config.path}: {e}") from e
     if quantization not in (None, "gguf"):
-        from gguf import GGMLQuantizationType
+        from arborlm.runtime.platforms.cpu.quant_loading import quantize_model
 
-        from arborlm.runtime.platforms.cpu.quant_loading import quantize_decoder
-
-        quantize_decoder(model, GGMLQuantizationType[quantization.upper()])
+        quantize_model(model, quantization)
     return model.eval()

@@ -8,18 +8,19 @@ into a fresh tensor of `dtype`. llama.cpp's converter interleaves the rows of ea
 rows are put back in Hugging Face's order, so the tensors equal what transformers loads from the
 same file. Qwen2 and Qwen3 files are written unpermuted.
 
-With `packed_types`, a decoder layer's linear weight (q/k/v/o, gate/up/down) of one of those types
-is not decoded: it comes as `PackedRows`, the file's blocks (rows in Hugging Face's order) for
-`QuantLinear` to compute from.
+With `packed_types`, a decoder layer's linear weight (q/k/v/o, gate/up/down), the token embedding
+or the output head of one of those types is not decoded: it comes as `PackedRows`, the file's
+blocks (rows in Hugging Face's order) for `QuantLinear` / `QuantEmbedding` to compute from.
 
 Not here: copying into parameters (the model's `load_weights`), the config (`metadata.py`),
-building `QuantLinear`s (`platforms/cpu/quant_loading.py`).
+building the packed modules (`platforms/cpu/quant_loading.py`).
 A tensor of an unsupported type raises `ModelLoadError` naming the tensor and the type before
 anything is decoded.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Collection, Iterator
@@ -53,6 +54,7 @@ _LAYER_NAMES = {
 }
 _LINEAR_KINDS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                            "ffn_down"})
+_PACKABLE_GLOBALS = frozenset({"token_embd.weight", "output.weight"})
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PERMUTED_QK = re.compile(r"^blk\.\d+\.attn_([qk])\.")
 _CONSUMED_BY_CONFIG = frozenset({"rope_freqs.weight"})  # read by metadata.py
@@ -74,7 +76,10 @@ class PackedRows:
         return out
 
 
-def _is_linear(gguf_name: str) -> bool:
+def _is_packable(gguf_name: str) -> bool:
+    """Whether the tensor may stay packed: a decoder linear's weight, the embedding, the head."""
+    if gguf_name in _PACKABLE_GLOBALS:
+        return True
     match = _LAYER_TENSOR.match(gguf_name)
     return match is not None and match.group(2) in _LINEAR_KINDS and match.group(3) == "weight"
 
@@ -104,7 +109,8 @@ def iter_gguf_tensors(file: str | os.PathLike, dtype: torch.dtype = torch.float3
                       packed_types: Collection[GGMLQuantizationType] = frozenset()
                       ) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
     """Yield `(Hugging Face name, tensor in dtype)` for every weight tensor of GGUF `file`; a
-    decoder linear's weight of a type in `packed_types` comes as its `PackedRows` instead."""
+    decoder linear's, the embedding's or the head's weight of a type in `packed_types` comes as
+    its `PackedRows` instead."""
     reader = open_gguf(file)
     arch = gguf_architecture(reader, file)
     wanted = []
@@ -123,7 +129,7 @@ def iter_gguf_tensors(file: str | os.PathLike, dtype: torch.dtype = torch.float3
     n_kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", n_heads))
     for name, t in wanted:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF: fastest dim first
-        keep = t.tensor_type in packed_types and _is_linear(t.name)
+        keep = t.tensor_type in packed_types and _is_packable(t.name)
         if keep:  # [out, row bytes] uint8, the mapped file's bytes copied once
             out = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(shape[0], -1)
         else:
@@ -133,3 +139,13 @@ def iter_gguf_tensors(file: str | os.PathLike, dtype: torch.dtype = torch.float3
         if arch in _PERMUTED_ARCHS and permuted:
             out = unpermute_rows(out, n_heads if permuted.group(1) == "q" else n_kv_heads)
         yield name, PackedRows(out, t.tensor_type, shape[-1]) if keep else out
+    release_pages(reader)
+
+
+def release_pages(reader) -> None:
+    """Unmap the pages of `reader`'s file that reading touched: every tensor is copied out,
+    and the cached reader (its metadata) would otherwise keep the whole file resident in this
+    process. Its pages come back from the page cache if anything reads the mapping again."""
+    mapping = getattr(reader.data, "_mmap", None)  # np.memmap's mmap.mmap
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
