@@ -88,6 +88,11 @@ class ModelRunner:
         self.model = load_model(mc, device=self.device, tp=tp, quantization=args.quantization)
         self.shard = self.model.shard
         self.deterministic = self._deterministic_holds()
+        if self.deterministic and args.quantization is not None:
+            from arborlm.runtime.platforms.cpu.quant_linear import pin_path
+
+            logger.info("packed linears pinned to quant_linear's %s path (batch-invariant)",
+                        pin_path(self.model))
         self.weight_arena = None  # keeps the weights' huge-page mapping alive (CPU)
         if cpu:
             self.weight_arena = prepare.prepare_weights(

@@ -115,7 +115,7 @@ def test_as_good_as_llama_cpps_reference_quantizer(qtype):
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_the_packed_kernel_reads_these_blocks(qtype, monkeypatch):
     _skip_unless("portable")
-    monkeypatch.setattr(cpu_kernels, "quant_path", lambda: "portable")
+    monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(70, 768, generator=gen) * 0.03
     layer = QuantLinear(QUANTIZERS[qtype](w), qtype, 768)
@@ -128,7 +128,7 @@ def test_the_packed_kernel_reads_these_blocks(qtype, monkeypatch):
 
 def test_q4_k_gives_llama_cpps_q4_k_m_mix_and_follows_its_dequantized_self(monkeypatch):
     _skip_unless("portable")
-    monkeypatch.setattr(cpu_kernels, "quant_path", lambda: "portable")
+    monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")
     from tests.runtime.test_cpu_quant_loading import _log_probs, _tokens
 
     path = tiny_model("llama", hidden_size=256, intermediate_size=512, num_heads=4,

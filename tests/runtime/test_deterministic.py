@@ -51,6 +51,21 @@ def test_exactness_matrix(make_tiny_model, arch: str, dtype: str) -> None:
     assert report == {name: [] for name in report}, report
 
 
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_k"])
+def test_exactness_matrix_with_packed_weights(make_tiny_model, quantization: str) -> None:
+    """`--quantization`: `quant_linear` picks its path by the number of rows (two-term int8
+    activations below 8, float from 8), so a row's result would depend on its batch;
+    deterministic inference pins one path for every call."""
+    _kernels(torch.bfloat16)
+    if not cpu_kernels.quant_linear_available():
+        pytest.skip("the packed-weight kernel does not run here")
+    path = make_tiny_model("llama")
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    report = exactness_matrix(str(path), PROMPTS, vocab=vocab, dtype="bfloat16",
+                              quantization=quantization, enable_deterministic_inference=True)
+    assert report == {name: [] for name in report}, report
+
+
 @pytest.mark.parametrize("dtype,options,expected", [
     ("bfloat16", {}, True),  # the default dtype on CPUs with AVX512-BF16
     ("bfloat16", {"enable_deterministic_inference": False}, False),

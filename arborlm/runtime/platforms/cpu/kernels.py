@@ -413,6 +413,13 @@ def quant_path(rows: int = 1) -> str:
     return "bf16" if "bf16" in here else "portable"
 
 
+def batch_invariant_quant_path() -> str:
+    """The one path deterministic inference runs for every number of rows: `$ARBORLM_QUANT_PATH`
+    where set, else "bf16" (float activations, the default from `FLOAT_PATH_ROWS` rows: prefill
+    and batches stay fast, and one row loses a little against "vnni2"), else "portable"."""
+    return quant_path(FLOAT_PATH_ROWS)
+
+
 def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,
                         bias: torch.Tensor | None, path: str) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))

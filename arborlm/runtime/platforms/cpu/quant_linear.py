@@ -43,6 +43,7 @@ class QuantLinear(nn.Module):
                              f"{in_features // block * type_size} bytes in {block}-value blocks; "
                              f"got {blocks.dtype} {tuple(blocks.shape)}")
         self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
+        self.path: str | None = None  # `quant_linear`'s path; None: chosen per call by rows
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
                                                            requires_grad=False)
@@ -50,7 +51,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[..., in]` (float32 or bfloat16) -> `[..., out]` in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        y = cpu_kernels.quant_linear(rows, self.blocks, int(self.qtype), self.bias)
+        y = cpu_kernels.quant_linear(rows, self.blocks, int(self.qtype), self.bias, self.path)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -64,6 +65,19 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.qtype.name}")
+
+
+def pin_path(model: nn.Module) -> str | None:
+    """Make every `QuantLinear` of `model` run one `quant_linear` path whatever its number of
+    rows (`cpu_kernels.batch_invariant_quant_path`), so a row's result does not depend on its
+    batch: deterministic inference. Returns the path, None where the model has none."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return None
+    path = cpu_kernels.batch_invariant_quant_path()
+    for layer in layers:
+        layer.path = path
+    return path
 
 
 def quantize_weight(weight: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:

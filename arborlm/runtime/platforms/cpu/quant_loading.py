@@ -14,7 +14,7 @@ packed rows are sliced on whole blocks before they are stacked, and a float mode
 already sharded linears, which gives the same blocks as slicing the whole model's (rows are
 quantized independently, and a row-parallel shard starts on a block boundary).
 `check_tp_blocks` refuses a tp size whose row-parallel shards would cut a block. The
-vocabulary-parallel embedding and head stay float under tensor parallelism.
+vocabulary-parallel embedding and head keep their rank's vocabulary rows (whole rows of blocks).
 
 Not here: deciding whether the option applies (`EngineArgs.check_quantization`), executors
 (`registry.choose_decode_executor`: the fused and compiled steps decline a model with packed
@@ -89,10 +89,9 @@ def quantize_model(model: nn.Module, quantization: str) -> int:
         _replace(model, module_name, _packed_linear(blocks, linear.in_features, linear.bias))
         count += 1
     hidden, tied = model.config.hidden_size, model.config.tie_word_embeddings
-    head = head_type(quantization, hidden) if model.shard.size == 1 else None
+    head = head_type(quantization, hidden)
     if head is None:
-        logger.info("embedding and head stay float: rows of %d values, tp size %d", hidden,
-                    model.shard.size)
+        logger.info("embedding and head stay float: rows of %d values", hidden)
     else:
         embed = model.model.embed_tokens
         blocks = quantize_weight(embed.weight, head)  # [vocab, row bytes]
@@ -223,15 +222,11 @@ def _install_embedding(model: nn.Module, embed: PackedRows | None, head: PackedR
     """Install the packed embedding (and with tied embeddings the head over its blocks) and the
     packed head; a misshapen one is decoded into `floats` for `load_weights` to name. Returns
     how many linears (0 or 1: the head) now compute from blocks."""
-    if model.shard.size > 1:  # vocabulary-parallel: whole float tensors, load_weights shards
-        floats += [(f"{name}.weight", r.dequantized(dtype))
-                   for name, r in (("model.embed_tokens", embed), ("lm_head", head)) if r]
-        return 0
     tied = model.config.tie_word_embeddings
-    hidden = model.config.hidden_size
-    vocab = model.model.embed_tokens.num_embeddings
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
     if embed is not None:
         if tuple(embed.blocks.shape[:1]) == (vocab,) and embed.in_features == hidden:
+            embed = _vocab_shard(model.shard, embed)
             model.model.embed_tokens = QuantEmbedding(embed.blocks, embed.qtype, hidden, dtype)
             if tied:
                 head = embed  # the one table: its blocks tensor, not a copy
@@ -239,9 +234,11 @@ def _install_embedding(model: nn.Module, embed: PackedRows | None, head: PackedR
             floats.append(("model.embed_tokens.weight", embed.dequantized(dtype)))
     if head is None or (tied and head is not embed):
         return 0  # tied to a float embedding (a file's extra head is skipped by load_weights)
-    if head.blocks.shape[0] != model.lm_head.out_features or head.in_features != hidden:
-        floats.append(("lm_head.weight", head.dequantized(dtype)))
-        return 0
+    if head is not embed:
+        if head.blocks.shape[0] != vocab or head.in_features != hidden:
+            floats.append(("lm_head.weight", head.dequantized(dtype)))
+            return 0
+        head = _vocab_shard(model.shard, head)
     model.lm_head = QuantLinear(head.blocks, head.qtype, hidden)
     return 1
 
@@ -253,6 +250,17 @@ def _linear_parts(model: nn.Module) -> Iterator[tuple[str, tuple[str, ...]]]:
             continue
         parent, _, leaf = name.rpartition(".")
         yield name, tuple(f"{parent}.{p}" for p in STACKED_LINEARS.get(leaf, (leaf,)))
+
+
+def _vocab_shard(shard: TPShard, rows: PackedRows) -> PackedRows:
+    """This rank's vocabulary rows of a packed embedding or head `[vocab, row bytes]`, padded
+    to `shard.vocab_rows` with all-zero blocks (which decode to zeros in every GGUF type)."""
+    if shard.size == 1:
+        return rows
+    part = rows.blocks[shard.vocab_start:shard.vocab_start + shard.vocab_rows]
+    if part.shape[0] < shard.vocab_rows:
+        part = torch.cat([part, part.new_zeros(shard.vocab_rows - part.shape[0], part.shape[1])])
+    return PackedRows(part.contiguous(), rows.qtype, rows.in_features)
 
 
 def _shard_of(shard: TPShard, name: str, rows: PackedRows) -> PackedRows:
