@@ -27,7 +27,6 @@ from gguf.quants import dequantize
 from arborlm.runtime.config import ModelConfig
 from arborlm.runtime.models.factory import tiny_model
 from arborlm.runtime.models.registry import load_model
-from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from arborlm.runtime.platforms.cpu.kquants import quantize_q4_k, quantize_q6_k
 from arborlm.runtime.platforms.cpu.quant_embedding import QuantEmbedding
 from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear
