@@ -258,16 +258,7 @@ def test_sampling_distribution_is_not_biased(make_tiny_model, monkeypatch):
     monkeypatch.undo()
     plain, _ = _run(path, [prompt] * n,
                     [dict(params, sampling_seed=n + s) for s in range(n)], spec=False)
-    cells = sorted({tuple(o["output_ids"][:2]) for o in spec + plain})
-    counts = torch.tensor([[sum(tuple(o["output_ids"][:2]) == c for o in run) for c in cells]
-                           for run in (spec, plain)], dtype=torch.float64)  # [2, cells]
-    expected = counts.sum(0, keepdim=True) * counts.sum(1, keepdim=True) / counts.sum()
-    keep = expected.min(0).values >= 5  # the chi-square approximation needs full cells
-    stat = float(((counts - expected) ** 2 / expected)[:, keep].sum())
-    dof = int(keep.sum()) - 1
-    assert dof >= 2
-    # The 0.999 quantile of chi-square(dof) is below 10.83 + 3.3 * (dof - 1) for dof <= 20.
-    assert stat < 10.83 + 3.3 * (dof - 1), (stat, dof, counts)
+    assert_same_distribution(spec, plain)
 
 
 def test_natural_ngram_drafts_on_a_repeating_prompt(make_tiny_model):
@@ -530,3 +521,18 @@ def test_a_drafted_duplicate_rolled_back_inside_the_verified_run(make_tiny_model
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     for o in spec:
         assert len(set(json.loads(o["text"]))) == 4
+
+
+def assert_same_distribution(spec: list[dict], plain: list[dict]) -> None:
+    """Chi-square test of homogeneity on the first two sampled tokens of two runs (at 0.999):
+    speculation must not change what is sampled."""
+    cells = sorted({tuple(o["output_ids"][:2]) for o in spec + plain})
+    counts = torch.tensor([[sum(tuple(o["output_ids"][:2]) == c for o in run) for c in cells]
+                           for run in (spec, plain)], dtype=torch.float64)  # [2, cells]
+    expected = counts.sum(0, keepdim=True) * counts.sum(1, keepdim=True) / counts.sum()
+    keep = expected.min(0).values >= 5  # the chi-square approximation needs full cells
+    stat = float(((counts - expected) ** 2 / expected)[:, keep].sum())
+    dof = int(keep.sum()) - 1
+    assert dof >= 2
+    # The 0.999 quantile of chi-square(dof) is below 10.83 + 3.3 * (dof - 1) for dof <= 20.
+    assert stat < 10.83 + 3.3 * (dof - 1), (stat, dof, counts)

@@ -21,6 +21,7 @@ import torch
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.config import EngineArgs
+from tests.runtime.test_speculative import assert_same_distribution
 
 PROMPTS = [[(11 * i) % 300 + 6 for i in range(13)], [(7 * i) % 250 + 9 for i in range(5)],
            [(5 * i) % 280 + 7 for i in range(21)], [(3 * i) % 290 + 11 for i in range(9)]]
@@ -161,16 +162,7 @@ def test_sampling_distribution_is_not_biased(make_tiny_model, drafts):
     assert info["spec_verifies"] >= n // 2
     assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
     plain, _ = _run(path, [PROMPTS[0]] * n, [dict(params, sampling_seed=n + s) for s in range(n)])
-    cells = sorted({tuple(o["output_ids"][:2]) for o in spec + plain})
-    counts = torch.tensor([[sum(tuple(o["output_ids"][:2]) == c for o in run) for c in cells]
-                           for run in (spec, plain)], dtype=torch.float64)  # [2, cells]
-    expected = counts.sum(0, keepdim=True) * counts.sum(1, keepdim=True) / counts.sum()
-    keep = expected.min(0).values >= 5  # the chi-square approximation needs full cells
-    stat = float(((counts - expected) ** 2 / expected)[:, keep].sum())
-    dof = int(keep.sum()) - 1
-    assert dof >= 2
-    # The 0.999 quantile of chi-square(dof) is below 10.83 + 3.3 * (dof - 1) for dof <= 20.
-    assert stat < 10.83 + 3.3 * (dof - 1), (stat, dof, counts)
+    assert_same_distribution(spec, plain)
 
 
 def test_seeded_sampling_equals_plain(make_tiny_model, drafts):

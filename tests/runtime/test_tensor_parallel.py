@@ -37,12 +37,12 @@ def _generate(path, prompts=PROMPTS[:4], **options) -> list[dict]:
         engine.shutdown()
 
 
-def _assert_same(ref: list[dict], got: list[dict]) -> None:
+def _assert_same(ref: list[dict], got: list[dict], tol: float = LOGPROB_TOL) -> None:
     for a, b in zip(ref, got, strict=True):
         assert b["output_ids"] == a["output_ids"]
         la = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
         lb = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
-        assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < LOGPROB_TOL
+        assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < tol
 
 
 @pytest.mark.parametrize("arch,overrides", [

@@ -32,11 +32,10 @@ from arborlm.runtime.models.registry import load_model
 from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from arborlm.runtime.platforms.cpu.quant_embedding import QuantEmbedding
 from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear
-from tests.runtime.engine_helpers import PROMPTS
 from tests.runtime.gguf_writer import write_gguf
 from tests.runtime.test_gguf_models import SIZE
+from tests.runtime.test_tensor_parallel import _assert_same, _generate
 
-GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 # Summation order alone (portable, and the float paths), or with the int8 roundings it can move:
 # two-term int8 activations (vnni2, decode by default) round at 2^-15 of a block's scale, one
 # int8 term (vnni, opt-in) at 2^-7 (module docstring).
@@ -109,33 +108,17 @@ def test_each_rank_keeps_its_blocks_of_a_gguf_file(arch, qtype, size, tmp_path):
     _assert_blocks_are_the_shards(ModelConfig.from_path(path, "float32"), "gguf", 2)
 
 
-def _generate(path, **options) -> list[dict]:
-    engine = Engine(str(path), dtype="float32", max_total_tokens=4096, **options)
-    try:
-        return engine.generate(PROMPTS[:4], GREEDY, return_logprob=True)
-    finally:
-        engine.shutdown()
-
-
-def _assert_same(ref: list[dict], got: list[dict]) -> None:
-    for a, b in zip(ref, got, strict=True):
-        assert b["output_ids"] == a["output_ids"]
-        la = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
-        lb = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
-        assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < LOGPROB_TOL
-
-
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])
 def test_tp2_quantized_at_load_greedy_equals_tp1(make_tiny_model, quantization):
     path = make_tiny_model("llama")
     _assert_same(_generate(path, quantization=quantization),
-                 _generate(path, quantization=quantization, tp_size=2))
+                 _generate(path, quantization=quantization, tp_size=2), LOGPROB_TOL)
 
 
 def test_tp2_gguf_packed_greedy_equals_tp1(tmp_path):
     path = write_gguf(tiny_model("qwen2", **SIZE), tmp_path / "qwen2.gguf", T.Q4_0)
     _assert_same(_generate(path, quantization="gguf"),
-                 _generate(path, quantization="gguf", tp_size=2))
+                 _generate(path, quantization="gguf", tp_size=2), LOGPROB_TOL)
 
 
 def test_a_shard_that_cuts_a_block_is_refused_naming_both_sizes(make_tiny_model, tmp_path):
