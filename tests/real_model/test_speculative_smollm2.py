@@ -31,10 +31,16 @@ def _prompts(tokenizer) -> list[list[int]]:
     return out
 
 
+# Beside the session's default engine (a ~6 GB KV pool for SmolLM2), pools of the size these
+# prompts need: default pools here (the draft model's doubling one) ran a 24 GB machine out of
+# memory in CI.
+POOL_TOKENS = 16_384
+
+
 @pytest.fixture(scope="module")
 def spec_engine(smollm2_gguf):
     with Engine(str(smollm2_gguf), speculative_algorithm="NGRAM", chunked_prefill_size=32,
-                debug_integrity=True) as e:
+                debug_integrity=True, max_total_tokens=POOL_TOKENS) as e:
         yield e
 
 
@@ -87,7 +93,7 @@ def test_standalone_self_draft_equals_plain(smollm2_gguf, smollm2_engine):
     plain_schema = smollm2_engine.generate(input_ids=prompts[0], sampling_params=constrained)
     with Engine(str(smollm2_gguf), speculative_algorithm="STANDALONE",
                 speculative_draft_model_path=str(smollm2_gguf), speculative_num_steps=4,
-                debug_integrity=True) as e:
+                debug_integrity=True, max_total_tokens=POOL_TOKENS) as e:
         spec = e.generate(input_ids=prompts, sampling_params=params)
         alone = e.generate(input_ids=prompts[1], sampling_params=params[1])
         spec_schema = e.generate(input_ids=prompts[0], sampling_params=constrained)
