@@ -135,6 +135,10 @@ def test_verify_rows_over_long_shared_prefixes_equal_plain(make_tiny_model, monk
     `quantization` the decode runs eagerly through the CPU attention backend and its decode
     workspace, which a batch repeating a request must not continue. Outputs and logprobs
     equal plain decoding's."""
+    if engine:  # one packed path for any row count: plain decode rows and verify rows differ
+        from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+
+        monkeypatch.setenv("ARBORLM_QUANT_PATH", cpu_kernels.batch_invariant_quant_path())
     path = str(make_tiny_model("llama"))
     shared = [(17 * i) % 280 + 9 for i in range(70)]
     prompts = [shared + [(5 * i + j) % 250 + 7 for i in range(4 + j)] for j in range(3)]
