@@ -158,17 +158,7 @@ def test_logprobs_equal_plain(make_tiny_model, monkeypatch):
     params = [dict(GREEDY, max_new_tokens=20)] * 2
     plain, spec, _ = _plain_and_spec(monkeypatch, path, PROMPTS[:2], params,
                                      return_logprob=True, top_logprobs_num=3)
-    for a, b in zip(plain, spec):
-        assert a["output_ids"] == b["output_ids"]
-        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
-        assert len(la) == len(lb) == 20
-        for (va, ta, *_), (vb, tb, *_) in zip(la, lb):
-            assert ta == tb and abs(va - vb) <= 1e-5
-        ta = a["meta_info"]["output_top_logprobs"]
-        tb = b["meta_info"]["output_top_logprobs"]
-        for ra, rb in zip(ta, tb):
-            assert [t for _, t, *_ in ra] == [t for _, t, *_ in rb]
-            assert all(abs(x[0] - y[0]) <= 1e-5 for x, y in zip(ra, rb))
+    assert_logprobs_equal(plain, spec, 20)
 
 
 def test_stop_ids_and_lengths_inside_an_accepted_run(make_tiny_model, monkeypatch):
@@ -540,3 +530,17 @@ def assert_same_distribution(spec: list[dict], plain: list[dict]) -> None:
     assert dof >= 2
     # The 0.999 quantile of chi-square(dof) is below 10.83 + 3.3 * (dof - 1) for dof <= 20.
     assert stat < 10.83 + 3.3 * (dof - 1), (stat, dof, counts)
+
+
+def assert_logprobs_equal(plain: list[dict], spec: list[dict], n: int) -> None:
+    """Same tokens, `n` of them, each logprob and top logprob within 1e-5 (same top ids)."""
+    for a, b in zip(plain, spec):
+        assert a["output_ids"] == b["output_ids"]
+        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert len(la) == len(lb) == n
+        for (va, ta, *_), (vb, tb, *_) in zip(la, lb):
+            assert ta == tb and abs(va - vb) <= 1e-5
+        for ra, rb in zip(a["meta_info"]["output_top_logprobs"],
+                          b["meta_info"]["output_top_logprobs"]):
+            assert [t for _, t, *_ in ra] == [t for _, t, *_ in rb]
+            assert all(abs(x[0] - y[0]) <= 1e-5 for x, y in zip(ra, rb))

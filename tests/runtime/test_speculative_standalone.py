@@ -21,7 +21,7 @@ import torch
 from arborlm import Engine
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.config import EngineArgs
-from tests.runtime.test_speculative import assert_same_distribution
+from tests.runtime.test_speculative import assert_logprobs_equal, assert_same_distribution
 
 PROMPTS = [[(11 * i) % 300 + 6 for i in range(13)], [(7 * i) % 250 + 9 for i in range(5)],
            [(5 * i) % 280 + 7 for i in range(21)], [(3 * i) % 290 + 11 for i in range(9)]]
@@ -105,16 +105,7 @@ def test_logprobs_equal_plain(make_tiny_model, drafts):
     plain, _ = _run(path, PROMPTS[:2], params, **kw)
     spec, info = _run(path, PROMPTS[:2], params, drafts["noisy"], **kw)
     assert info["spec_accepted_tokens"] > 0
-    for a, b in zip(plain, spec):
-        assert a["output_ids"] == b["output_ids"]
-        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
-        assert len(la) == len(lb) == 20
-        for (va, ta, *_), (vb, tb, *_) in zip(la, lb):
-            assert ta == tb and abs(va - vb) <= 1e-5
-        for ra, rb in zip(a["meta_info"]["output_top_logprobs"],
-                          b["meta_info"]["output_top_logprobs"]):
-            assert [t for _, t, *_ in ra] == [t for _, t, *_ in rb]
-            assert all(abs(x[0] - y[0]) <= 1e-5 for x, y in zip(ra, rb))
+    assert_logprobs_equal(plain, spec, 20)
 
 
 def test_json_schema_and_stop_string_equal_plain(make_tiny_model, drafts):
