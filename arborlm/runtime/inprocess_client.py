@@ -14,6 +14,7 @@ batched together, which is what makes the DSL's parallel programs fast in-proces
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import random
@@ -72,7 +73,7 @@ class InProcessClient(EngineClient):
 
     @property
     def max_total_tokens(self) -> int:
-        return self.scheduler.max_total_tokens
+        return self._max_total_tokens
 
     # --- caller side --------------------------------------------------------------------------
 
@@ -132,10 +133,17 @@ class InProcessClient(EngineClient):
         return self._error is None and self._thread.is_alive()
 
     def shutdown(self) -> None:
+        """Stop the scheduler thread and free the model and the KV pool now. The scheduler's
+        parts refer to one another, so without the collection below they would wait for the
+        next cyclic garbage collection: a process that starts engines one after another would
+        hold every earlier pool meanwhile (and size each new pool from the little memory left)."""
         if not self._stopped.is_set():
             self._stopped.set()
             self._commands.put(lambda: None)
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self.__dict__.pop("scheduler", None)
+                gc.collect()
 
     # --- scheduler thread ---------------------------------------------------------------------
 
@@ -191,6 +199,7 @@ class InProcessClient(EngineClient):
         except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
             started.set_exception(e)
             return
+        self._max_total_tokens = self.scheduler.max_total_tokens
         started.set_result(None)
         self._loop()
 

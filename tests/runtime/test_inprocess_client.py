@@ -50,3 +50,25 @@ def test_build_error_reaches_the_caller(make_tiny_model, monkeypatch):
         if t.name == "arborlm-scheduler" and "arborlm-scheduler" not in before:
             t.join(timeout=5)
             assert not t.is_alive()
+
+
+def test_shutdown_frees_the_kv_pool_and_the_weights(make_tiny_model):
+    # The scheduler's parts refer to one another; shutdown must not leave them (the whole KV
+    # pool, by default a quarter of the free memory) to the next cyclic collection.
+    import gc
+    import weakref
+
+    gc.disable()  # so that only shutdown itself can have collected them
+    try:
+        engine = Engine(str(make_tiny_model("llama")), dtype="float32", max_total_tokens=4096)
+        runner = engine.client.scheduler.runner
+        alive = [weakref.ref(runner.kv_pool.k_buffer[0]),
+                 weakref.ref(next(runner.model.parameters())), weakref.ref(runner)]
+        del runner
+        engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+        engine.shutdown()
+        assert [ref() is None for ref in alive] == [True, True, True]
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    finally:
+        gc.enable()
