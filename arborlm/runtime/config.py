@@ -139,8 +139,9 @@ class EngineArgs:
         "CPU: keep the linear weights and the embedding packed in GGUF blocks and compute from "
         "them. q8_0, q4_0, q4_1, q5_0, q5_1, q4_k (llama.cpp's Q4_K_M mix of Q4_K and Q6_K) or "
         "q6_k quantize a float checkpoint at load (embedding and head: Q6_K, or Q8_0); gguf "
-        "keeps a GGUF file's quantized tensors as the file has them. Decode then runs eagerly, "
-        "without the fused step (docs/performance.md). Default: none (every weight in dtype).",
+        "keeps a GGUF file's quantized tensors as the file has them. Decode steps run through the "
+        "fused C++ step on the packed blocks (not torch.compile: --enable-torch-compile does "
+        "not apply to them). Default: none (every weight in dtype).",
         default=None)
     max_total_tokens: int | None = option(
         "KV cache capacity in tokens; default: from mem_fraction of available memory.",

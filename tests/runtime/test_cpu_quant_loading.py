@@ -114,28 +114,6 @@ def test_engine_greedy_tokens_follow_the_dequantized_model(make_tiny_model, quan
     assert sum(gaps) / len(gaps) <= 0.05, gaps
 
 
-def test_decode_runs_eagerly_through_the_quantized_linears(make_tiny_model):
-    """The fused C++ step and the compiled step read float weights: with QuantLinears they
-    decline even when asked for, and decode steps run eagerly through the packed blocks."""
-    _skip_unless("portable")
-    from arborlm.runtime.decode_executor import DecodeParts, EagerDecode
-    from arborlm.runtime.platforms.cpu.compiled_decode import create_compiled_decode
-    from arborlm.runtime.platforms.cpu.fused_decode import create_fused_decode
-    from arborlm.runtime.platforms.registry import choose_decode_executor
-
-    config, quantized, _ = _models(make_tiny_model("llama"), "q4_0")
-    h = ModelHarness(quantized, config)
-    args = EngineArgs(model_path="unused", quantization="q4_0", enable_torch_compile=True)
-    parts = DecodeParts(model=quantized, kv_pool=h.kv_pool, req_to_token_pool=h.req_pool,
-                        attn_backend=h.backend, device="cpu", args=args, deterministic=False)
-    assert create_fused_decode(parts) is None and create_compiled_decode(parts) is None
-    assert type(choose_decode_executor(parts)) is EagerDecode
-    # Without the QuantLinears the same parts take the fused step where its kernels are built.
-    if cpu_kernels.available(config.dtype):
-        float_parts = DecodeParts(**{**parts.__dict__, "model": load_model(config)})
-        assert type(choose_decode_executor(float_parts)) is not EagerDecode
-
-
 @pytest.mark.parametrize("args, reason", [
     ({"quantization": "q3_k"}, "must be one of"),
     ({"quantization": "q4_0", "device": "cuda"}, "CPU only"),

@@ -241,3 +241,94 @@ def test_cascade_arguments_are_checked():
         cpu_kernels.prefix_attention(q, pool, pool, slots + 50, lens, groups, 0.25)
     with pytest.raises(RuntimeError, match="group 2 of row 2 is not one of 2"):
         cpu_kernels.prefix_attention(q, pool, pool, slots, lens, torch.tensor([0, 1, 2]), 0.25)
+
+
+# Packed GGUF weights (`--quantization`): Q4_0 quantized at load (QuantLinears, a Q8_0
+# embedding and head); llama.cpp's Q4_K_M mix at load (stacks of Q4_K and Q6_K parts, a Q6_K
+# embedding); GGUF files whose layer-0 attn_v is Q8_0 beside the others' type (a stack; with
+# Qwen2's biases, a stack's bias).
+PACKED = [("q4_0", "llama", None), ("q4_k", "llama", None), ("gguf", "llama", "Q4_K"),
+          ("gguf", "qwen2", "Q4_0")]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["by-rows", "pinned"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization,arch,file_type", PACKED,
+                         ids=["q4_0", "q4_k", "gguf-llama-Q4_K", "gguf-qwen2-Q4_0"])
+def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_type, dtype,
+                                                      deterministic, monkeypatch, tmp_path):
+    """The fused step takes packed weights as they are (the embedding decoded per looked-up
+    row, every linear through the eager modules' kernel and path): tokens equal the eager
+    engine's, logprobs to the rounding of the glue's sums, at batch sizes 3, 2 and 1, with the
+    path chosen by rows or pinned by deterministic inference; `run_ahead` (continuous greedy
+    steps) too."""
+    from gguf import GGMLQuantizationType as T
+
+    from arborlm.runtime.models.factory import tiny_model
+    from tests.runtime.gguf_writer import write_gguf
+    from tests.runtime.test_gguf_models import SIZE
+
+    if not cpu_kernels.quant_linear_available():
+        pytest.skip("quant_linear did not build")
+    if not cpu_kernels.available(getattr(torch, dtype)):
+        pytest.skip(f"the fused step does not run in {dtype} on this CPU")
+    if deterministic and dtype == "float32":
+        pytest.skip("deterministic inference pins the path in both dtypes: bfloat16 suffices")
+    path = tiny_model(arch, **SIZE)
+    if file_type is not None:
+        path = write_gguf(path, tmp_path / f"{arch}.gguf", T[file_type],
+                          zero_typed={"blk.0.attn_v.weight": T.Q8_0})
+    options = dict(dtype=dtype, quantization=quantization, max_total_tokens=2048,
+                   enable_deterministic_inference=deterministic)
+    calls = _count_fused_steps(monkeypatch)
+    with Engine(str(path), **options) as engine:
+        assert isinstance(engine.scheduler.runner.decode, fused_decode.FusedDecodeStep)
+        fused = _decode_together(engine)
+    assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
+    ahead_calls = []
+    run_ahead = fused_decode.FusedDecodeStep.run_ahead
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "run_ahead",
+                        lambda self, batch, slots: ahead_calls.append(len(slots))
+                        or run_ahead(self, batch, slots))
+    with Engine(str(path), **options, num_continuous_decode_steps=4) as engine:
+        alone = engine.generate(input_ids=PROMPT, sampling_params=dict(GREEDY, max_new_tokens=12))
+    assert 4 in ahead_calls  # greedy without logprobs: steps run ahead
+    monkeypatch.setattr(fused_decode, "create_fused_decode", lambda parts: None)
+    with Engine(str(path), **options) as engine:
+        assert not isinstance(engine.scheduler.runner.decode, fused_decode.FusedDecodeStep)
+        eager = _decode_together(engine)
+        eager_alone = engine.generate(input_ids=PROMPT,
+                                      sampling_params=dict(GREEDY, max_new_tokens=12))
+    assert alone["output_ids"] == eager_alone["output_ids"]
+    # The glue's sums run in their own orders (as in `_check_equal`); in float32 an ulp there
+    # can move one of vnni2's activation quants a step (measured: up to 3e-4).
+    tol = 1e-3 if dtype == "float32" else 2e-2
+    for f, e in zip(fused, eager):
+        assert f["output_ids"] == e["output_ids"]
+        assert _logprobs(f) == pytest.approx(_logprobs(e), abs=tol)
+
+
+def test_packed_records_that_do_not_fit_are_refused():
+    one = torch.zeros(1, dtype=torch.int64)
+    pool = [torch.zeros(8, 1, 32)]
+    table = torch.zeros(4, 32)
+    hidden, vec = 32, torch.ones(32)
+    q8 = 8  # ggml's Q8_0: 34 bytes per 32 values
+    layer = [vec, torch.zeros(96, 34, dtype=torch.uint8), None,
+             cpu_kernels.pack_panels(torch.zeros(32, 32)), None, vec,
+             cpu_kernels.pack_panels(torch.zeros(128, 32)), None,
+             cpu_kernels.pack_panels(torch.zeros(32, 64)), None]
+    tail = [torch.zeros(10, hidden), vec, cpu_kernels.pack_panels(torch.zeros(10, 32))]
+    args = (one, one, one, one.view(1, 1), one, layer + tail, pool, pool, table, table, 1e-6,
+            0.25, 1, 1, 32, 64, None, None, None)
+    with pytest.raises(RuntimeError, match="quant_path must be"):
+        torch.ops.arborlm.decode_step(*args, [1, 0, 1, 1, q8], "fast")
+    with pytest.raises(RuntimeError, match="weight 1's packed parts hold 64 rows, not 96"):
+        torch.ops.arborlm.decode_step(*args[:5], [vec, torch.zeros(64, 34, dtype=torch.uint8)]
+                                      + layer[2:] + tail, *args[6:], [1, 0, 1, 1, q8], "portable")
+    with pytest.raises(RuntimeError, match="ggml type 5 has no packed kernel"):
+        torch.ops.arborlm.decode_step(*args, [1, 0, 1, 1, 5], "portable")
+    with pytest.raises(RuntimeError, match="bad packed record 0"):
+        torch.ops.arborlm.decode_step(*args, [1, 7, 1, 1, q8], "portable")
+    with pytest.raises(RuntimeError, match="packed part 40 outside the weights"):
+        torch.ops.arborlm.decode_step(*args, [1, 1, 2, 1, q8, 40, q8], "portable")

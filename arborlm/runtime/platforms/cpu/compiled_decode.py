@@ -162,7 +162,7 @@ def create_compiled_decode(parts: DecodeParts) -> CompiledDecodeRunner | None:
 
     if has_quant_linears(parts.model):
         logger.info("torch.compile decode is off: the decoder's linears compute from packed GGUF "
-                    "blocks (--quantization), which it does not compile; decode runs eagerly")
+                    "blocks (--quantization), which it does not compile")
         return None
     max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
     start = time.perf_counter()

@@ -9,6 +9,11 @@ not take). It takes the steps whose requests share a cached prefix too, with cas
 of its own (`cascade_inputs`: each group's prefix read once per step, merged with the members'
 own keys by log-sum-exp), and runs several greedy steps per call (`run_ahead`,
 `arborlm::decode_steps`). `benchmarks/cpu_decode_step.py` compares it with the compiled graph.
+
+Weights kept in GGUF's packed blocks (`--quantization`: `QuantLinear`, `QuantLinearStack`,
+`QuantEmbedding`) go in as they are, with records naming their types (`PackedWeights`); the step
+computes them with the eager modules' kernels and conversions, on the one `quant_linear` path
+the eager modules would take for the batch's rows (or the path deterministic inference pinned).
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ class FusedDecodeStep(DecodeExecutor):
     """The decode executor that runs a step of a Llama-family model (no q/k norm) as one C++
     call, `arborlm::decode_step`, for batches of up to `max_bs` requests."""
 
-    def __init__(self, parts: DecodeParts, weights: list[torch.Tensor | None], intermediate: int,
+    def __init__(self, parts: DecodeParts, weights: PackedWeights, intermediate: int,
                  max_bs: int):
         model = parts.model
         self.max_bs = max_bs
         self.intermediate = intermediate
         spec = model.model.layers[0].self_attn.spec
-        self.weights = weights
+        self.weights = weights.tensors + weights.extra
+        self.packed = weights.records
+        self.pinned_path = weights.pinned_path
         self.k_pool, self.v_pool = parts.kv_pool.k_buffer, parts.kv_pool.v_buffer
         self.cos, self.sin = model.model.rotary.cos, model.model.rotary.sin
         self.eps = model.model.norm.eps
@@ -65,20 +72,24 @@ class FusedDecodeStep(DecodeExecutor):
         if not cpu_kernels.attention_fits(dtype, spec.num_heads // spec.num_kv_heads,
                                           spec.head_dim):
             return None
-        weights: list[torch.Tensor | None] = []
+        weights = PackedWeights(10 * len(model.model.layers) + 3)
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_panels(m, dtype) for m in (attn.qkv_proj, attn.o_proj,
-                                                   mlp.gate_up_proj, mlp.down_proj)]
-            if any(x is None for x in linears):
+            weights.tensors.append(layer.input_layernorm.weight)
+            if not (weights.add_linear(attn.qkv_proj, dtype)
+                    and weights.add_linear(attn.o_proj, dtype)):
                 return None
-            (qkv, qkv_b), (o, o_b), (gu, gu_b), (down, down_b) = linears
-            weights += [layer.input_layernorm.weight, qkv, qkv_b, o, o_b,
-                        layer.post_attention_layernorm.weight, gu, gu_b, down, down_b]
-        head = _panels(model.lm_head, dtype)
-        if head is None or head[1] is not None:
+            weights.tensors.append(layer.post_attention_layernorm.weight)
+            if not (weights.add_linear(mlp.gate_up_proj, dtype)
+                    and weights.add_linear(mlp.down_proj, dtype)):
+                return None
+        if not (weights.add_embedding(model.model.embed_tokens, dtype)):
             return None
-        weights += [model.model.embed_tokens.weight, model.model.norm.weight, head[0]]
+        weights.tensors.append(model.model.norm.weight)
+        if not weights.add_linear(model.lm_head, dtype, bias=False):
+            return None
+        if weights.records and not weights.paths_agree():
+            return None
         return cls(parts, weights, model.model.layers[0].mlp.down_proj.in_features, max_bs)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -112,7 +123,8 @@ class FusedDecodeStep(DecodeExecutor):
         return torch.ops.arborlm.decode_steps(
             batch.input_ids, batch.positions, slots, own, lens, self.weights, self.k_pool,
             self.v_pool, self.cos, self.sin, self.eps, scale, heads, kv_heads, head_dim,
-            self.intermediate, prefix_slots, prefix_lens, groups)
+            self.intermediate, prefix_slots, prefix_lens, groups, self.packed,
+            self.quant_path(batch.batch_size))
 
     def __call__(self, batch: ForwardBatch, cascade: tuple | None = None) -> torch.Tensor:
         """Logits `[B, vocab]` float32 of a decode batch (metadata built), with the cascade
@@ -124,7 +136,15 @@ class FusedDecodeStep(DecodeExecutor):
         return torch.ops.arborlm.decode_step(
             batch.input_ids, batch.positions, batch.out_cache_loc, slots, lens,
             self.weights, self.k_pool, self.v_pool, self.cos, self.sin, self.eps, scale, heads,
-            kv_heads, head_dim, self.intermediate, prefix_slots, prefix_lens, groups)
+            kv_heads, head_dim, self.intermediate, prefix_slots, prefix_lens, groups,
+            self.packed, self.quant_path(batch.batch_size))
+
+    def quant_path(self, rows: int) -> str:
+        """The path of the packed linears for a step of `rows` requests: the one the eager
+        `QuantLinear`s would take (pinned, or chosen by rows); "" without packed weights."""
+        if not self.packed:
+            return ""
+        return self.pinned_path or cpu_kernels.quant_path(rows)
 
 
 def cascade_inputs(batch: ForwardBatch, ahead: int = 0) -> tuple | None:
@@ -154,10 +174,75 @@ def cascade_inputs(batch: ForwardBatch, ahead: int = 0) -> tuple | None:
             torch.tensor(layout.groups, device=slots.device))
 
 
-def _has_quant_linears(model: nn.Module) -> bool:
-    from arborlm.runtime.platforms.cpu.quant_loading import has_quant_linears
+class PackedWeights:
+    """The fused step's weights (`csrc/decode_step.cpp`'s order) as they are gathered: float
+    linears as panels, packed GGUF modules as their blocks with a record each (`records`: weight
+    index, kind, parts, (tensor index, ggml type) per part), a stack's later parts in `extra`
+    (after the `standard` entries)."""
 
-    return has_quant_linears(model)
+    def __init__(self, standard: int):
+        self.standard = standard
+        self.tensors: list[torch.Tensor | None] = []
+        self.extra: list[torch.Tensor] = []
+        self.records: list[int] = []
+        self.paths: set[str | None] = set()
+
+    def add_linear(self, linear: nn.Module, dtype: torch.dtype, bias: bool = True) -> bool:
+        """Append `linear`'s weight (and its bias slot, with `bias`); False where the step
+        cannot take it."""
+        from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear
+        from arborlm.runtime.platforms.cpu.quant_stack import QuantLinearStack
+
+        index = len(self.tensors)
+        if isinstance(linear, QuantLinear):
+            if not bias and linear.bias is not None:
+                return False
+            self.records += [index, 0, 1, index, int(linear.qtype)]
+            self.paths.add(linear.path)
+            self.tensors += [linear.blocks, linear.bias] if bias else [linear.blocks]
+            return True
+        if isinstance(linear, QuantLinearStack):
+            if not bias and linear.bias is not None:
+                return False
+            parts = list(linear.parts)
+            self.records += [index, 1, len(parts), index, int(parts[0].qtype)]
+            for part in parts[1:]:
+                self.records += [self.standard + len(self.extra), int(part.qtype)]
+                self.extra.append(part.blocks)
+            self.paths.update(part.path for part in parts)
+            self.tensors += [parts[0].blocks, linear.bias] if bias else [parts[0].blocks]
+            return True
+        panels = _panels(linear, dtype)
+        if panels is None or (not bias and panels[1] is not None):
+            return False
+        self.tensors += list(panels) if bias else [panels[0]]
+        return True
+
+    def add_embedding(self, embedding: nn.Module, dtype: torch.dtype) -> bool:
+        """Append the token embedding (float rows, or `QuantEmbedding`'s packed rows)."""
+        from arborlm.runtime.platforms.cpu.quant_embedding import QuantEmbedding
+
+        index = len(self.tensors)
+        if isinstance(embedding, QuantEmbedding):
+            if embedding.dtype != dtype or embedding.embedding_dim % 32:
+                return False
+            self.records += [index, 2, 1, index, int(embedding.qtype)]
+            self.tensors.append(embedding.blocks)
+            return True
+        weight = getattr(embedding, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype != dtype:
+            return False
+        self.tensors.append(weight)
+        return True
+
+    def paths_agree(self) -> bool:
+        """Whether the packed linears run one path: all chosen per call, or all pinned to one
+        (deterministic inference pins them all), and the packed kernels are built."""
+        return len(self.paths) == 1 and cpu_kernels.quant_linear_available()
+
+    @property
+    def pinned_path(self) -> str | None:
+        return next(iter(self.paths)) if len(self.paths) == 1 else None
 
 
 def _panels(linear: nn.Module, dtype: torch.dtype
@@ -182,10 +267,6 @@ def create_fused_decode(parts: DecodeParts) -> FusedDecodeStep | None:
     or `torch_compile_max_bs` with `enable_torch_compile` (the sizes a compiled step takes)."""
     args = parts.args
     if args.disable_fused_decode or parts.device != "cpu":
-        return None
-    if _has_quant_linears(parts.model):
-        logger.info("the fused decode step is off: it reads float weights, and the decoder's "
-                    "linears compute from packed GGUF blocks (--quantization)")
         return None
     max_bs = min(args.torch_compile_max_bs, args.max_running_requests) \
         if args.enable_torch_compile else args.max_running_requests

@@ -9,8 +9,9 @@ turns a float model's `nn.Linear`s into `QuantLinear`s by quantizing their weigh
 `gguf` package's own quantizers (the 32-value types it writes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 
 Not here: `--quantization` at load (`quant_loading.py`: a GGUF file's packed tensors, a float
-model's decoder), the tied embedding, or the decode executors (the fused decode step, compiled
-and CUDA-graph steps read float weights and decline a model with these modules).
+model's decoder), the tied embedding, or the decode executors (the fused decode step takes these
+modules' blocks and runs the same kernel on the same path, `fused_decode.PackedWeights`; the
+compiled and CUDA-graph steps read float weights and decline a model with them).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ quantized independently, and a row-parallel shard starts on a block boundary).
 vocabulary-parallel embedding and head keep their rank's vocabulary rows (whole rows of blocks).
 
 Not here: deciding whether the option applies (`EngineArgs.check_quantization`), executors
-(`registry.choose_decode_executor`: the fused and compiled steps decline a model with packed
-modules), the quantizers themselves (`kquants.py`, `quant_linear.quantize_weight`).
+(`registry.choose_decode_executor`: the fused step takes packed modules, the compiled step
+declines them), the quantizers themselves (`kquants.py`, `quant_linear.quantize_weight`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,17 @@
 // qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias, down, down bias; then the
 // embedding, the final norm and the head. The linears are `pack_panels` layouts, their biases
 // float32.
+//
+// Or GGUF blocks kept packed (`--quantization`; `quant_linear.cpp`), as `packed` says, a flat
+// list of records `weight index, kind, n, (tensor index, ggml type) * n`: the weight at that
+// index is computed from the n packed tensors named (indices into `weights`; parts after the
+// first come after the standard entries), stacked by rows. Kind 0 is one `QuantLinear` (its
+// bias added by the kernel, in float32), kind 1 a `QuantLinearStack` (the parts' outputs
+// concatenated, then its bias added in the activation dtype), kind 2 the packed embedding
+// (`QuantEmbedding`: a looked-up row decoded to float32, then rounded to the activation dtype).
+// Every packed linear runs on the one `quant_path` given ("portable", "float", "bf16", "vnni",
+// "vnni2": `cpu_kernels.quant_linear`'s paths, with its conversions), so each is the eager
+// module's arithmetic.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,10 +42,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -62,6 +76,40 @@ void check_linear(const at::Tensor& panels, const std::optional<at::Tensor>& bia
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->dim() == 1 && bias->size(0) == out),
               "decode_step: bias ", index + 1, " must be float32 [", out, "]");
+}
+
+// One linear of a step: `pack_panels` panels, or packed GGUF parts stacked by rows (indices
+// into the weights).
+struct Linear {
+  int64_t panels = -1;
+  std::vector<std::pair<int64_t, int64_t>> parts;  // (weight index of the blocks, ggml type)
+  bool stack = false;  // a QuantLinearStack: its bias is added after the parts, in x's dtype
+  std::optional<at::Tensor> bias;
+};
+
+using Weights = std::vector<std::optional<at::Tensor>>;
+
+// x times packed blocks on `path`, converting as `cpu_kernels.quant_linear` does.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                         const std::optional<at::Tensor>& bias, const std::string& path) {
+  if (path == "bf16") return arborlm_cpu::quant_linear(x, blocks, qtype, bias, "float");
+  if (path == "float" && x.scalar_type() == at::kBFloat16)
+    return arborlm_cpu::quant_linear(x.to(at::kFloat), blocks, qtype, bias, "float")
+        .to(at::kBFloat16);
+  return arborlm_cpu::quant_linear(x, blocks, qtype, bias, path);
+}
+
+// x [rows, in] (contiguous) times `l` -> [rows, out] in x's dtype.
+at::Tensor apply(const Weights& w, const Linear& l, const at::Tensor& x, int64_t out,
+                 const std::string& path) {
+  if (l.panels >= 0) return linear(x, *w[l.panels], l.bias, out);
+  if (!l.stack) return packed_linear(x, *w[l.parts[0].first], l.parts[0].second, l.bias, path);
+  std::vector<at::Tensor> ys;
+  for (const auto& [index, qtype] : l.parts)
+    ys.push_back(packed_linear(x, *w[index], qtype, std::nullopt, path));
+  at::Tensor y = at::cat(ys, 1);
+  if (l.bias) y.add_(l.bias->to(y.scalar_type()));
+  return y;
 }
 
 using arborlm_cpu::add_into;
@@ -121,19 +169,33 @@ void merge(at::Tensor& own, const at::Tensor& own_lse, const at::Tensor& pre,
   }
 }
 
+// The checked inputs of a call: the weights (a missing optional one as nullopt), the linears
+// (four per layer, then the head), the pools, the activation dtype, the packed embedding's type
+// (-1: float rows), the packed linears' path and the cascade groups (if any).
+struct Inputs {
+  Weights w;
+  std::vector<Linear> linears;
+  std::vector<at::Tensor> k_pool, v_pool;
+  at::ScalarType dtype;
+  int64_t embed_qtype = -1;
+  std::string path;
+  bool cascade;
+  Cascade groups;
+};
+
 template <typename T>
-at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::Tensor& slot,
-                const at::Tensor& slots, const at::Tensor& lens,
-                const std::vector<std::optional<at::Tensor>>& w,
-                const std::vector<at::Tensor>& k_pool, const std::vector<at::Tensor>& v_pool,
+at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& position,
+                const at::Tensor& slot, const at::Tensor& slots, const at::Tensor& lens,
                 const at::Tensor& cos_table, const at::Tensor& sin_table, double eps,
                 double scale, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
                 const Cascade* cascade) {
+  const auto& w = in.w;
+  const auto& k_pool = in.k_pool;
+  const auto& v_pool = in.v_pool;
   const int64_t layers = static_cast<int64_t>(k_pool.size());
   const at::Tensor& embed = *w[layers * kPerLayer];
   const at::Tensor& final_norm = *w[layers * kPerLayer + 1];
-  const at::Tensor& head = *w[layers * kPerLayer + 2];
-  const int64_t hidden = embed.size(1), rows = token.numel();
+  const int64_t hidden = final_norm.size(0), rows = token.numel();
   const int64_t* tok = token.data_ptr<int64_t>();
   const int64_t* pos = position.data_ptr<int64_t>();
   const int64_t* where = slot.data_ptr<int64_t>();
@@ -143,13 +205,24 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
     TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_table.size(0), "decode_step: position ", pos[b],
                 " outside the rotary table");
   }
-  const auto opts = embed.options();
+  const auto opts = final_norm.options();
   const float fe = static_cast<float>(eps);
   at::Tensor residual = at::empty({rows, hidden}, opts);  // the embeddings
-  each_row(rows, [&](int64_t b) {
-    std::memcpy(residual.data_ptr<T>() + b * hidden, embed.data_ptr<T>() + tok[b] * hidden,
-                hidden * sizeof(T));
-  });
+  if (in.embed_qtype < 0) {
+    each_row(rows, [&](int64_t b) {
+      std::memcpy(residual.data_ptr<T>() + b * hidden, embed.data_ptr<T>() + tok[b] * hidden,
+                  hidden * sizeof(T));
+    });
+  } else {  // decode the looked-up rows
+    const int64_t row_bytes = embed.size(1);
+    each_row(rows, [&](int64_t b) {
+      std::vector<float> row(hidden);
+      arborlm_cpu::dequant_row(in.embed_qtype, embed.data_ptr<uint8_t>() + tok[b] * row_bytes,
+                               hidden, row.data());
+      T* dst = residual.data_ptr<T>() + b * hidden;
+      for (int64_t i = 0; i < hidden; ++i) dst[i] = static_cast<T>(row[i]);
+    });
+  }
   at::Tensor x;  // the previous layer's MLP output (none before the first layer)
   at::Tensor h = at::empty({rows, hidden}, opts);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -160,11 +233,12 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
   T* hp = h.data_ptr<T>();
   for (int64_t l = 0; l < layers; ++l) {
     const auto* lw = &w[l * kPerLayer];
+    const Linear* ll = &in.linears[4 * l];
     each_row(rows, [&](int64_t b) {
       if (x.defined()) add_into(x.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
       rms_norm(r + b * hidden, lw[0]->data_ptr<T>(), hp + b * hidden, hidden, fe);
     });
-    at::Tensor qkv = linear(h, *lw[1], lw[2], qkv_size);
+    at::Tensor qkv = apply(w, ll[0], h, qkv_size, in.path);
     T* k_dst = k_pool[l].data_ptr<T>();
     T* v_dst = v_pool[l].data_ptr<T>();
     each_row(rows, [&](int64_t b) {
@@ -186,33 +260,70 @@ at::Tensor step(const at::Tensor& token, const at::Tensor& position, const at::T
       merge(own, own_lse, pre, pre_lse);
       attn = own;
     }
-    at::Tensor o = linear(attn.view({rows, q_size}), *lw[3], lw[4], hidden);
+    at::Tensor o = apply(w, ll[1], attn.view({rows, q_size}), hidden, in.path);
     each_row(rows, [&](int64_t b) {
       add_into(o.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
       rms_norm(r + b * hidden, lw[5]->data_ptr<T>(), hp + b * hidden, hidden, fe);
     });
-    at::Tensor gate_up = linear(h, *lw[6], lw[7], 2 * inter);
+    at::Tensor gate_up = apply(w, ll[2], h, 2 * inter, in.path);
     each_row(rows, [&](int64_t b) {
       silu_mul(gate_up.data_ptr<T>() + b * 2 * inter, act.data_ptr<T>() + b * inter, inter);
     });
-    x = linear(act, *lw[8], lw[9], hidden);
+    x = apply(w, ll[3], act, hidden, in.path);
   }
   each_row(rows, [&](int64_t b) {
     if (x.defined()) add_into(x.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
     rms_norm(r + b * hidden, final_norm.data_ptr<T>(), hp + b * hidden, hidden, fe);
   });
-  return linear(h, head, std::nullopt, embed.size(0)).to(at::kFloat);  // [rows, vocab]
+  return apply(w, in.linears[4 * layers], h, embed.size(0), in.path).to(at::kFloat);  // [rows, V]
 }
 
-// The checked inputs of a call: the weights (a missing optional one as nullopt), the pools,
-// the activation dtype and the cascade groups (if any).
-struct Inputs {
-  std::vector<std::optional<at::Tensor>> w;
-  std::vector<at::Tensor> k_pool, v_pool;
-  at::ScalarType dtype;
-  bool cascade;
-  Cascade groups;
-};
+// The packed records (see the top of this file) by weight index: (kind, parts).
+std::vector<std::pair<int64_t, Linear>> read_packed(c10::ArrayRef<int64_t> packed,
+                                                    int64_t num_weights) {
+  std::vector<std::pair<int64_t, Linear>> records;
+  size_t i = 0;
+  while (i < packed.size()) {
+    TORCH_CHECK(i + 3 <= packed.size(), "decode_step: packed record ", records.size(),
+                " is cut short");
+    const int64_t index = packed[i], kind = packed[i + 1], n = packed[i + 2];
+    TORCH_CHECK(index >= 0 && index < num_weights && kind >= 0 && kind <= 2 && n >= 1 &&
+                    (kind != 2 || n == 1) && i + 3 + 2 * n <= packed.size(),
+                "decode_step: bad packed record ", records.size());
+    Linear l;
+    l.stack = kind == 1;
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t part = packed[i + 3 + 2 * p], qtype = packed[i + 4 + 2 * p];
+      TORCH_CHECK(part >= 0 && part < num_weights, "decode_step: packed part ", part,
+                  " outside the weights");
+      l.parts.emplace_back(part, qtype);
+    }
+    l.panels = kind == 2 ? -2 : -1;  // -2 marks the embedding record
+    records.emplace_back(index, std::move(l));
+    i += 3 + 2 * n;
+  }
+  return records;
+}
+
+// Whether packed parts hold an in -> out linear: uint8 rows of whole blocks, out rows in all.
+void check_packed(const Weights& w, const Linear& l, int64_t in, int64_t out, int64_t index) {
+  int64_t rows = 0;
+  for (const auto& [part, qtype] : l.parts) {
+    TORCH_CHECK(w[part].has_value(), "decode_step: packed part ", part, " is missing");
+    const at::Tensor& t = *w[part];
+    int64_t bytes;
+    TORCH_CHECK(arborlm_cpu::quant_row_bytes(qtype, in, &bytes), "decode_step: weight ", index,
+                ": ggml type ", qtype, " has no packed kernel for rows of ", in, " values");
+    TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous() &&
+                    t.size(1) == bytes,
+                "decode_step: packed part ", part, " of weight ", index,
+                " must be contiguous uint8 [rows, ", bytes, "], got ", t.scalar_type(), " ",
+                t.sizes());
+    rows += t.size(0);
+  }
+  TORCH_CHECK(rows == out, "decode_step: weight ", index, "'s packed parts hold ", rows,
+              " rows, not ", out);
+}
 
 // Checks everything but the per-step slots (`check_slots`) and tokens (`step` checks those).
 Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const at::Tensor& slots,
@@ -222,13 +333,16 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
                     int64_t head_dim, int64_t intermediate,
                     const std::optional<at::Tensor>& prefix_slots,
                     const std::optional<at::Tensor>& prefix_lens,
-                    const std::optional<at::Tensor>& groups) {
+                    const std::optional<at::Tensor>& groups, c10::ArrayRef<int64_t> packed,
+                    c10::string_view quant_path) {
   const int64_t layers = static_cast<int64_t>(k_pool.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_pool.size()) == layers,
               "decode_step: one K and one V pool per layer expected");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer + 3,
-              "decode_step: ", layers * kPerLayer + 3, " weights expected for ", layers,
-              " layers, got ", weights.size());
+  const int64_t standard = layers * kPerLayer + 3;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == standard ||
+                  (!packed.empty() && static_cast<int64_t>(weights.size()) > standard),
+              "decode_step: ", standard, " weights expected for ", layers, " layers, got ",
+              weights.size());
   Inputs in;
   in.w.reserve(weights.size());
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -262,20 +376,74 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
                     kp[l].size(1) == kv_heads && kp[l].size(2) == head_dim &&
                     vp[l].sizes() == kp[l].sizes(),
                 "decode_step: the pools must be contiguous [S, ", kv_heads, ", ", head_dim, "]");
-  in.dtype = w[layers * kPerLayer]->scalar_type();
+  const at::Tensor& final_norm = *w[layers * kPerLayer + 1];
+  const at::Tensor& embed = *w[layers * kPerLayer];
+  in.dtype = final_norm.scalar_type();
   TORCH_CHECK(in.dtype == at::kFloat || in.dtype == at::kBFloat16,
               "decode_step: float32 or bfloat16 only, got ", in.dtype);
-  const int64_t hidden = w[layers * kPerLayer]->size(1), vocab = w[layers * kPerLayer]->size(0);
+  TORCH_CHECK(final_norm.dim() == 1 && embed.dim() == 2,
+              "decode_step: the final norm must be [hidden] and the embedding [vocab, hidden]");
+  const int64_t hidden = final_norm.size(0), vocab = embed.size(0);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+
+  auto records = read_packed(packed, static_cast<int64_t>(w.size()));
+  in.path = std::string(quant_path);
+  TORCH_CHECK(records.empty() || in.path == "portable" || in.path == "float" ||
+                  in.path == "bf16" || in.path == "vnni" || in.path == "vnni2",
+              "decode_step: quant_path must be portable, float, bf16, vnni or vnni2, got '",
+              in.path, "'");
+  auto find = [&](int64_t index) -> Linear* {
+    for (auto& [where, l] : records)
+      if (where == index) return &l;
+    return nullptr;
+  };
+  if (Linear* e = find(layers * kPerLayer); e != nullptr) {
+    TORCH_CHECK(e->panels == -2 && e->parts[0].first == layers * kPerLayer,
+                "decode_step: the packed embedding's record must be of kind 2, on itself");
+    int64_t bytes;
+    in.embed_qtype = e->parts[0].second;
+    TORCH_CHECK(arborlm_cpu::quant_row_bytes(in.embed_qtype, hidden, &bytes) && hidden % 32 == 0,
+                "decode_step: ggml type ", in.embed_qtype, " cannot hold embeddings of ", hidden);
+    TORCH_CHECK(embed.scalar_type() == at::kByte && embed.is_contiguous() &&
+                    embed.size(1) == bytes,
+                "decode_step: the packed embedding must be contiguous uint8 [vocab, ", bytes,
+                "], got ", embed.scalar_type(), " ", embed.sizes());
+  } else {
+    TORCH_CHECK(embed.scalar_type() == in.dtype && embed.is_contiguous() &&
+                    embed.size(1) == hidden,
+                "decode_step: the embedding must be contiguous [vocab, ", hidden, "] in ",
+                in.dtype);
+  }
+  // (weight index, bias index or -1, in, out) of each linear: four per layer, then the head.
+  std::vector<std::array<int64_t, 4>> shapes;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t i = l * kPerLayer;
-    check_linear(*w[i + 1], w[i + 2], in.dtype, hidden, q_size + 2 * kv_size, i + 1);
-    check_linear(*w[i + 3], w[i + 4], in.dtype, q_size, hidden, i + 3);
-    check_linear(*w[i + 6], w[i + 7], in.dtype, hidden, 2 * intermediate, i + 6);
-    check_linear(*w[i + 8], w[i + 9], in.dtype, intermediate, hidden, i + 8);
+    shapes.push_back({i + 1, i + 2, hidden, q_size + 2 * kv_size});
+    shapes.push_back({i + 3, i + 4, q_size, hidden});
+    shapes.push_back({i + 6, i + 7, hidden, 2 * intermediate});
+    shapes.push_back({i + 8, i + 9, intermediate, hidden});
   }
-  check_linear(*w[layers * kPerLayer + 2], std::nullopt, in.dtype, hidden, vocab,
-               layers * kPerLayer + 2);
+  shapes.push_back({layers * kPerLayer + 2, -1, hidden, vocab});
+  size_t used = in.embed_qtype >= 0 ? 1 : 0;
+  for (const auto& [index, bias_index, n_in, n_out] : shapes) {
+    const std::optional<at::Tensor> bias = bias_index >= 0 ? w[bias_index] : std::nullopt;
+    Linear l;
+    if (Linear* p = find(index); p != nullptr) {
+      TORCH_CHECK(p->panels == -1, "decode_step: weight ", index, " is a linear, not kind 2");
+      l = *p;
+      ++used;
+      check_packed(w, l, n_in, n_out, index);
+      TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                            bias->dim() == 1 && bias->size(0) == n_out),
+                  "decode_step: bias ", index + 1, " must be float32 [", n_out, "]");
+    } else {
+      check_linear(*w[index], bias, in.dtype, n_in, n_out, index);
+      l.panels = index;
+    }
+    l.bias = bias;
+    in.linears.push_back(std::move(l));
+  }
+  TORCH_CHECK(used == records.size(), "decode_step: a packed record names no linear");
   in.cascade = prefix_slots.has_value() && prefix_slots->defined();
   TORCH_CHECK(in.cascade == (prefix_lens.has_value() && prefix_lens->defined()) &&
                   in.cascade == (groups.has_value() && groups->defined()),
@@ -301,12 +469,10 @@ at::Tensor run_step(const Inputs& in, const at::Tensor& token, const at::Tensor&
                     int64_t intermediate) {
   const Cascade* cp = in.cascade ? &in.groups : nullptr;
   if (in.dtype == at::kFloat)
-    return step<float>(token, position, slot, slots, lens, in.w, in.k_pool, in.v_pool,
-                       cos_table, sin_table, eps, scale, heads, kv_heads, head_dim, intermediate,
-                       cp);
-  return step<c10::BFloat16>(token, position, slot, slots, lens, in.w, in.k_pool, in.v_pool,
-                             cos_table, sin_table, eps, scale, heads, kv_heads, head_dim,
-                             intermediate, cp);
+    return step<float>(in, token, position, slot, slots, lens, cos_table, sin_table, eps, scale,
+                       heads, kv_heads, head_dim, intermediate, cp);
+  return step<c10::BFloat16>(in, token, position, slot, slots, lens, cos_table, sin_table, eps,
+                             scale, heads, kv_heads, head_dim, intermediate, cp);
 }
 
 at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
@@ -317,10 +483,11 @@ at::Tensor decode_step(const at::Tensor& token, const at::Tensor& position,
                        double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        int64_t intermediate, const std::optional<at::Tensor>& prefix_slots,
                        const std::optional<at::Tensor>& prefix_lens,
-                       const std::optional<at::Tensor>& groups) {
+                       const std::optional<at::Tensor>& groups, c10::IntArrayRef packed,
+                       c10::string_view quant_path) {
   const Inputs in = check_inputs(token, position, slots, lens, weights, k_pool, v_pool,
                                  cos_table, sin_table, heads, kv_heads, head_dim, intermediate,
-                                 prefix_slots, prefix_lens, groups);
+                                 prefix_slots, prefix_lens, groups, packed, quant_path);
   TORCH_CHECK(slot.numel() == token.numel(),
               "decode_step: token, position and slot must be one int64 per request");
   check_slots(slot, in.k_pool[0].size(0));
@@ -340,10 +507,11 @@ at::Tensor decode_steps(const at::Tensor& token, const at::Tensor& position,
                         double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
                         int64_t intermediate, const std::optional<at::Tensor>& prefix_slots,
                         const std::optional<at::Tensor>& prefix_lens,
-                        const std::optional<at::Tensor>& groups) {
+                        const std::optional<at::Tensor>& groups, c10::IntArrayRef packed,
+                        c10::string_view quant_path) {
   const Inputs in = check_inputs(token, position, slots, lens, weights, k_pool, v_pool,
                                  cos_table, sin_table, heads, kv_heads, head_dim, intermediate,
-                                 prefix_slots, prefix_lens, groups);
+                                 prefix_slots, prefix_lens, groups, packed, quant_path);
   const int64_t rows = token.numel();
   TORCH_CHECK(slot.dim() == 2 && slot.size(0) >= 1 && slot.size(1) == rows,
               "decode_steps: slot must be [steps, ", rows, "], got ", slot.sizes());
@@ -373,12 +541,12 @@ TORCH_LIBRARY_FRAGMENT(arborlm, m) {
         "Tensor?[] weights, Tensor(a!)[] k_pool, Tensor(b!)[] v_pool, Tensor cos_table, "
         "Tensor sin_table, float eps, float scale, int heads, int kv_heads, int head_dim, "
         "int intermediate, Tensor? prefix_slots=None, Tensor? prefix_lens=None, "
-        "Tensor? groups=None) -> Tensor");
+        "Tensor? groups=None, int[] packed=[], str quant_path=\"\") -> Tensor");
   m.def("decode_steps(Tensor token, Tensor position, Tensor slot, Tensor slots, Tensor lens, "
         "Tensor?[] weights, Tensor(a!)[] k_pool, Tensor(b!)[] v_pool, Tensor cos_table, "
         "Tensor sin_table, float eps, float scale, int heads, int kv_heads, int head_dim, "
         "int intermediate, Tensor? prefix_slots=None, Tensor? prefix_lens=None, "
-        "Tensor? groups=None) -> Tensor");
+        "Tensor? groups=None, int[] packed=[], str quant_path=\"\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(arborlm, CPU, m) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 #include <tuple>
@@ -35,6 +36,16 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q,
                                                     const at::Tensor& prefix_slots,
                                                     const at::Tensor& prefix_lens,
                                                     const at::Tensor& groups, double scale);
+
+// quant_linear.cpp: x [rows, in] (float32 or bfloat16) times a GGUF weight kept packed (`weight`
+// [out, row bytes] uint8 of ggml type `qtype`; + bias, float32 [out]) on the kernel path named
+// ("portable", "float", "vnni", "vnni2") -> [rows, out] in x's dtype (`arborlm::quant_linear`).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                        const std::optional<at::Tensor>& bias, c10::string_view path);
+// Whether `qtype` packs rows of `cols` values (whole blocks), and their bytes.
+bool quant_row_bytes(int64_t qtype, int64_t cols, int64_t* bytes);
+// One packed row of `cols` values (whole blocks) decoded to float32, as ggml decodes it.
+void dequant_row(int64_t qtype, const uint8_t* row, int64_t cols, float* y);
 
 // elementwise.cpp: each row's argmax [B] int64 of x [B, V] float32 (the first where the maximum
 // repeats; a NaN wins, as torch.argmax): greedy sampling's.

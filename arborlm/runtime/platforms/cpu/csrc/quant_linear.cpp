@@ -676,6 +676,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
 
 }  // namespace
 
+namespace arborlm_cpu {
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                        const std::optional<at::Tensor>& bias, c10::string_view path) {
+  return ::quant_linear(x, weight, qtype, bias, path);
+}
+
+bool quant_row_bytes(int64_t qtype, int64_t cols, int64_t* bytes) {
+  int64_t block, size;
+  if (!type_size(qtype, &block, &size) || cols % block != 0) return false;
+  *bytes = cols / block * size;
+  return true;
+}
+
+void dequant_row(int64_t qtype, const uint8_t* row, int64_t cols, float* y) {
+  for (int64_t b = 0; b < cols / 32; ++b) dequant_block(qtype, row, b, y + 32 * b);
+}
+
+}  // namespace arborlm_cpu
+
 TORCH_LIBRARY_FRAGMENT(arborlm, m) {
   m.def("quant_linear(Tensor x, Tensor weight, int qtype, Tensor? bias, str path) -> Tensor");
 }
