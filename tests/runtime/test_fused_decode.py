@@ -245,16 +245,15 @@ def test_cascade_arguments_are_checked():
 
 # Packed GGUF weights (`--quantization`): Q4_0 quantized at load (QuantLinears, a Q8_0
 # embedding and head); llama.cpp's Q4_K_M mix at load (stacks of Q4_K and Q6_K parts, a Q6_K
-# embedding); GGUF files whose layer-0 attn_v is Q8_0 beside the others' type (a stack; with
-# Qwen2's biases, a stack's bias).
-PACKED = [("q4_0", "llama", None), ("q4_k", "llama", None), ("gguf", "llama", "Q4_K"),
-          ("gguf", "qwen2", "Q4_0")]
+# embedding); a Qwen2 GGUF file whose layer-0 attn_v is Q8_0 beside the others' Q4_0 (a stack
+# with a bias, QuantLinears with theirs).
+PACKED = [("q4_0", "llama", None), ("q4_k", "llama", None), ("gguf", "qwen2", "Q4_0")]
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["by-rows", "pinned"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization,arch,file_type", PACKED,
-                         ids=["q4_0", "q4_k", "gguf-llama-Q4_K", "gguf-qwen2-Q4_0"])
+                         ids=["q4_0", "q4_k", "gguf-qwen2-Q4_0"])
 def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_type, dtype,
                                                       deterministic, monkeypatch, tmp_path):
     """The fused step takes packed weights as they are (the embedding decoded per looked-up
