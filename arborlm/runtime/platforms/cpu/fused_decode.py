@@ -83,7 +83,7 @@ class FusedDecodeStep(DecodeExecutor):
             if not (weights.add_linear(mlp.gate_up_proj, dtype)
                     and weights.add_linear(mlp.down_proj, dtype)):
                 return None
-        if not (weights.add_embedding(model.model.embed_tokens, dtype)):
+        if not weights.add_embedding(model.model.embed_tokens, dtype):
             return None
         weights.tensors.append(model.model.norm.weight)
         if not weights.add_linear(model.lm_head, dtype, bias=False):
@@ -194,18 +194,12 @@ class PackedWeights:
         from arborlm.runtime.platforms.cpu.quant_stack import QuantLinearStack
 
         index = len(self.tensors)
-        if isinstance(linear, QuantLinear):
+        if isinstance(linear, QuantLinear | QuantLinearStack):
             if not bias and linear.bias is not None:
                 return False
-            self.records += [index, 0, 1, index, int(linear.qtype)]
-            self.paths.add(linear.path)
-            self.tensors += [linear.blocks, linear.bias] if bias else [linear.blocks]
-            return True
-        if isinstance(linear, QuantLinearStack):
-            if not bias and linear.bias is not None:
-                return False
-            parts = list(linear.parts)
-            self.records += [index, 1, len(parts), index, int(parts[0].qtype)]
+            stack = isinstance(linear, QuantLinearStack)
+            parts = list(linear.parts) if stack else [linear]
+            self.records += [index, int(stack), len(parts), index, int(parts[0].qtype)]
             for part in parts[1:]:
                 self.records += [self.standard + len(self.extra), int(part.qtype)]
                 self.extra.append(part.blocks)

@@ -278,10 +278,14 @@ at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& pos
   return apply(w, in.linears[4 * layers], h, embed.size(0), in.path).to(at::kFloat);  // [rows, V]
 }
 
-// The packed records (see the top of this file) by weight index: (kind, parts).
-std::vector<std::pair<int64_t, Linear>> read_packed(c10::ArrayRef<int64_t> packed,
-                                                    int64_t num_weights) {
-  std::vector<std::pair<int64_t, Linear>> records;
+// A packed record (see the top of this file): the weight it computes, its kind, its parts.
+struct Record {
+  int64_t index, kind;
+  Linear linear;
+};
+
+std::vector<Record> read_packed(c10::ArrayRef<int64_t> packed, int64_t num_weights) {
+  std::vector<Record> records;
   size_t i = 0;
   while (i < packed.size()) {
     TORCH_CHECK(i + 3 <= packed.size(), "decode_step: packed record ", records.size(),
@@ -298,8 +302,7 @@ std::vector<std::pair<int64_t, Linear>> read_packed(c10::ArrayRef<int64_t> packe
                   " outside the weights");
       l.parts.emplace_back(part, qtype);
     }
-    l.panels = kind == 2 ? -2 : -1;  // -2 marks the embedding record
-    records.emplace_back(index, std::move(l));
+    records.push_back({index, kind, std::move(l)});
     i += 3 + 2 * n;
   }
   return records;
@@ -392,16 +395,16 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
                   in.path == "bf16" || in.path == "vnni" || in.path == "vnni2",
               "decode_step: quant_path must be portable, float, bf16, vnni or vnni2, got '",
               in.path, "'");
-  auto find = [&](int64_t index) -> Linear* {
-    for (auto& [where, l] : records)
-      if (where == index) return &l;
+  auto find = [&](int64_t index) -> const Record* {
+    for (const Record& r : records)
+      if (r.index == index) return &r;
     return nullptr;
   };
-  if (Linear* e = find(layers * kPerLayer); e != nullptr) {
-    TORCH_CHECK(e->panels == -2 && e->parts[0].first == layers * kPerLayer,
+  if (const Record* e = find(layers * kPerLayer); e != nullptr) {
+    TORCH_CHECK(e->kind == 2 && e->linear.parts[0].first == layers * kPerLayer,
                 "decode_step: the packed embedding's record must be of kind 2, on itself");
     int64_t bytes;
-    in.embed_qtype = e->parts[0].second;
+    in.embed_qtype = e->linear.parts[0].second;
     TORCH_CHECK(arborlm_cpu::quant_row_bytes(in.embed_qtype, hidden, &bytes) && hidden % 32 == 0,
                 "decode_step: ggml type ", in.embed_qtype, " cannot hold embeddings of ", hidden);
     TORCH_CHECK(embed.scalar_type() == at::kByte && embed.is_contiguous() &&
@@ -428,9 +431,9 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
   for (const auto& [index, bias_index, n_in, n_out] : shapes) {
     const std::optional<at::Tensor> bias = bias_index >= 0 ? w[bias_index] : std::nullopt;
     Linear l;
-    if (Linear* p = find(index); p != nullptr) {
-      TORCH_CHECK(p->panels == -1, "decode_step: weight ", index, " is a linear, not kind 2");
-      l = *p;
+    if (const Record* r = find(index); r != nullptr) {
+      TORCH_CHECK(r->kind != 2, "decode_step: weight ", index, " is a linear, not kind 2");
+      l = r->linear;
       ++used;
       check_packed(w, l, n_in, n_out, index);
       TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
