@@ -234,6 +234,10 @@ class GrammarBackend(abc.ABC):
             return self._compile_choices(spec)
         return self._compile_structural_tag(spec)
 
+    def close(self) -> None:  # noqa: B027 (an optional hook: most backends hold nothing)
+        """Release what the backend holds outside this process: the outlines backend's index
+        processes (the xgrammar backend holds nothing there)."""
+
     @abc.abstractmethod
     def _compile_json_schema(self, spec: str, strict: bool) -> CompiledGrammar: ...
 

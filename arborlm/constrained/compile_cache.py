@@ -144,6 +144,9 @@ class GrammarCompiler:
         `GrammarError`; running engine calls end on their own, their results discarded."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._watchdog.stop()
+        if self._make_backend is not None:  # backends passed in belong to the caller
+            for backend in list(self._backends.values()):
+                backend.close()
         with self._lock:
             pending = [entry for entry in self._entries.values() if not entry.resolved]
         for entry in pending:

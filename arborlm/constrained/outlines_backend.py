@@ -13,6 +13,9 @@ value nested at most three levels deep (outlines' recursion limit).
 outlines-core's `Vocabulary` takes a single EOS id; this module adds every other stop id
 itself, allowing them wherever the grammar is complete. Rollback reaches back at most
 `MAX_ROLLBACK_TOKENS` tokens (outlines keeps that many states).
+
+Indexes are built in child processes (`index_process`): a regex whose index explodes is
+killed at its time limit or its memory cap, and never takes the server's memory.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from arborlm.constrained.base import (
     parse_choices,
 )
 from arborlm.constrained.guarded_matcher import guarded
+from arborlm.constrained.index_process import IndexProcesses
 from arborlm.constrained.schema_guard import GuardPlan
 from arborlm.constrained.schema_prepare import prepare_json_schema
 from arborlm.constrained.vocab import TokenVocab
@@ -45,13 +49,14 @@ class OutlinesBackend(GrammarBackend):
     name = "outlines"
 
     def __init__(self, vocab: TokenVocab, *, any_whitespace: bool = False,
-                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S):
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 index_memory_bytes: int | None = None):
         super().__init__(vocab, any_whitespace=any_whitespace,
                          compile_timeout_s=compile_timeout_s)
         self.whitespace = f"[ \\t\\n\\r]{{0,{ANY_WHITESPACE_MAX_RUN}}}" if any_whitespace \
             else "[ ]?"
-        self._vocabulary = outlines_core.Vocabulary(vocab.stop_token_ids[0],
-                                                    vocab.text_token_ids())
+        self._indexes = IndexProcesses(vocab.stop_token_ids[0], vocab.text_token_ids(),
+                                       memory_bytes=index_memory_bytes)
 
     def _compile_json_schema(self, spec: str, strict: bool) -> CompiledGrammar:
         prepared = prepare_json_schema(spec, self.name, strict)
@@ -81,10 +86,16 @@ class OutlinesBackend(GrammarBackend):
 
     def _index(self, kind: str, spec: str, regex: str) -> OutlinesCompiled:
         try:
-            index = outlines_core.Index(regex, self._vocabulary)
-        except Exception as e:
-            raise GrammarError(f"invalid {kind}: {' '.join(str(e).split())}", param=kind) from e
+            index = self._indexes.build(regex, self.compile_timeout_s)
+        except GrammarError as e:  # the build's time limit or memory cap
+            raise GrammarError(f"{kind}: {e}", param=kind) from e
+        except ValueError as e:  # outlines-core's word on an invalid regex
+            raise GrammarError(f"invalid {kind}: {e}", param=kind) from e
         return OutlinesCompiled(kind, spec, index, self.vocab)
+
+    def close(self) -> None:
+        """Stop the index-building processes."""
+        self._indexes.close()
 
 
 def escape_regex(text: str) -> str:
