@@ -6,8 +6,9 @@ ggml's loops (`gguf_reference.py`). Output counts that are not multiples of the 
 the 4- and 6-row tiles or the 64-column tiles, one to 130 rows, inputs of one block and of
 several, an all-zero row and rows with one huge value. Every path this CPU grants:
 
-- portable (blocks dequantized, x as is) and float with float32 x (weights dequantized in
-  registers, FMAs): the float64 product to float32 summation error;
+- portable (blocks dequantized, x as is), avx2 (the same blocks in 8-lane FMAs) and float with
+  float32 x (weights dequantized in registers, FMAs): the float64 product to float32 summation
+  error;
 - bf16, bfloat16 x on the kernel's float path (the AVX512-BF16 dot product where the CPU has
   it, weights rounded once to bfloat16): the float64 product to that rounding (2^-9 of each
   weight) and the output's; float32 x on it is the float path;
@@ -37,7 +38,7 @@ from arborlm.runtime.platforms.cpu.quant_linear import (
 from tests.runtime.gguf_reference import T, random_blocks, reference_dequantize
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-PATHS = ["portable", "float", "bf16", "vnni2", "vnni"]
+PATHS = ["portable", "avx2", "float", "bf16", "vnni2", "vnni"]
 EPS32 = 2.0 ** -24
 # Ordinary f16 scales (no extremes), for the checks where x's own extremes are under test.
 PLAIN_SCALES = np.array([0.0, 1.0, 1e-3, -2.5, 0.0625, 3.0], dtype=np.float16)
@@ -193,7 +194,7 @@ def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
 
 
 @pytest.mark.parametrize("path,within", [("vnni", 1e-2), ("vnni2", 1e-4), ("float", 1e-5),
-                                         ("bf16", 1e-5)])
+                                         ("bf16", 1e-5), ("avx2", 1e-5)])
 def test_paths_agree_on_real_scales(path, within):
     """Each path differs from the portable one only by its activations' rounding: on ordinary
     weights and activations, int8 well under 1% of the output's scale, two int8 terms under
@@ -209,13 +210,15 @@ def test_paths_agree_on_real_scales(path, within):
 
 def test_the_path_is_chosen_by_rows_and_can_be_forced(monkeypatch):
     """The float path on the activations as they are ("bf16") from `FLOAT_PATH_ROWS` rows, two
-    int8 terms below (where the CPU has VNNI); int8 activations, or bfloat16 ones widened to
-    float32, only when asked for; an unknown name is refused."""
+    int8 terms below (where the CPU has VNNI); without AVX-512 "avx2", without AVX2 "portable";
+    int8 activations, or bfloat16 ones widened to float32, only when asked for; an unknown name
+    is refused."""
     _skip_unless("portable")
     here = cpu_kernels.quant_paths()
     monkeypatch.delenv("ARBORLM_QUANT_PATH", raising=False)
     many, few = cpu_kernels.quant_path(cpu_kernels.FLOAT_PATH_ROWS), cpu_kernels.quant_path(1)
-    assert many == ("bf16" if "bf16" in here else "portable")
+    assert many == ("bf16" if "bf16" in here else "avx2" if "avx2" in here else "portable")
+    assert ("avx2" in here) == capabilities.has_avx2_fma()
     assert few == ("vnni2" if "vnni2" in here else many)
     assert not {"vnni", "float"} & {many, few}
     monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")
@@ -234,7 +237,7 @@ def test_bad_arguments_are_refused():
         cpu_kernels.quant_linear(torch.randn(2, 96), w, int(T.Q4_0), path="portable")
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q2_K), path="portable")
-    with pytest.raises(RuntimeError, match="path must be portable, vnni, vnni2 or float"):
+    with pytest.raises(RuntimeError, match="path must be portable, avx2, vnni, vnni2 or float"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), path="int4")
     with pytest.raises(RuntimeError, match="bias must be"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), torch.zeros(3),

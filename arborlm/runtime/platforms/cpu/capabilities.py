@@ -62,6 +62,14 @@ def has_avx512_vnni() -> bool:
 
 
 @functools.cache
+def has_avx2_fma() -> bool:
+    """Whether this CPU (and its OS) grants AVX2 with FMA and F16C: what `quant_linear`'s
+    "avx2" path needs (AMD Zen 2/3 and Intel client cores have it, not AVX-512)."""
+    return is_x86_64() and torch.cpu._is_avx2_supported() \
+        and {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+@functools.cache
 def has_avx512_quant_float() -> bool:
     """Whether this CPU (and its OS) grants AVX-512 (F, BW, VL) with F16C and FMA: what
     `quant_linear`'s float path needs (bfloat16 products also need `has_native_bf16`; without

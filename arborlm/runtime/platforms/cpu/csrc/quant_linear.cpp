@@ -2,7 +2,7 @@
 //
 // The weight is a GGUF tensor's bytes, one row per output column (`[out, row bytes]` uint8),
 // never dequantized into memory. A decode step streams every weight once, so a 4-bit weight
-// reads a quarter of bfloat16's bytes. Four paths, named per call by the caller (`path`;
+// reads a quarter of bfloat16's bytes. Five paths, named per call by the caller (`path`;
 // `cpu_kernels.quant_path` chooses by the CPU and the number of rows):
 //
 // - "vnni": integer dot products (AVX512-VNNI `vpdpbusd` on 256-bit vectors), as llama.cpp's CPU
@@ -24,6 +24,9 @@
 //   once, as a bfloat16 model's weights are; types of at most 32 levels look their 32 possible
 //   values up with `vpermw`), and runs up to 6 rows of x over them in register tiles of
 //   `vfmadd` or `vdpbf16ps` (products exact, float32 sums). Needs AVX-512 F/BW/VL, not VNNI.
+// - "avx2", for CPUs with AVX2, FMA and F16C but not AVX-512 (AMD Zen 2/3, most Intel client
+//   cores): four weight rows dequantized to float32 as "portable" does, then dotted with x in
+//   8-lane FMAs, two rows of x at a time.
 // - "portable", for CPUs without those instructions: each 32-value block dequantized to
 //   float32 on the stack and dotted with x unquantized. Compiled for baseline x86-64, so it
 //   runs anywhere; slower, never an illegal instruction.
@@ -171,6 +174,94 @@ void portable(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
         y[t * out + j] = sum + (bias ? bias[j] : 0.0f);
       }
     }
+  });
+}
+
+// ---- the AVX2 path ---------------------------------------------------------------------------
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+// Horizontal sum of 8 lanes in a fixed order.
+AVX2_TARGET inline float sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Outputs [begin, end) of "avx2": four weight rows at a time dequantized to float32 (the same
+// values as "portable"), then each row of x dotted with all four, two rows of x at a time (eight
+// accumulators in flight). Each output's sum runs over 8-value chunks in order into one vector,
+// reduced once: the same sum whichever rows share the call.
+AVX2_TARGET void avx2_columns(int64_t qtype, const float* x, int64_t rows, int64_t in,
+                              const uint8_t* w, int64_t row_bytes, int64_t out,
+                              const float* bias, float* y, int64_t begin, int64_t end) {
+  const int64_t blocks = in / 32;
+  std::vector<float> deq(4 * in);
+  for (int64_t j0 = begin; j0 < end; j0 += 4) {
+    const int64_t cols = std::min<int64_t>(4, end - j0);
+    for (int64_t c = 0; c < 4; ++c) {
+      float* d = deq.data() + c * in;
+      if (c < cols) {
+        const uint8_t* row = w + (j0 + c) * row_bytes;
+        for (int64_t b = 0; b < blocks; ++b) dequant_block(qtype, row, b, d + 32 * b);
+      } else {
+        std::fill(d, d + in, 0.0f);
+      }
+    }
+    const float* d0 = deq.data();
+    const float* d1 = d0 + in;
+    const float* d2 = d1 + in;
+    const float* d3 = d2 + in;
+    int64_t t = 0;
+    for (; t + 2 <= rows; t += 2) {
+      const float* xa = x + t * in;
+      const float* xb = xa + in;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int64_t i = 0; i < in; i += 8) {
+        const __m256 w0 = _mm256_loadu_ps(d0 + i), w1 = _mm256_loadu_ps(d1 + i);
+        const __m256 w2 = _mm256_loadu_ps(d2 + i), w3 = _mm256_loadu_ps(d3 + i);
+        const __m256 va = _mm256_loadu_ps(xa + i), vb = _mm256_loadu_ps(xb + i);
+        a0 = _mm256_fmadd_ps(w0, va, a0);
+        a1 = _mm256_fmadd_ps(w1, va, a1);
+        a2 = _mm256_fmadd_ps(w2, va, a2);
+        a3 = _mm256_fmadd_ps(w3, va, a3);
+        b0 = _mm256_fmadd_ps(w0, vb, b0);
+        b1 = _mm256_fmadd_ps(w1, vb, b1);
+        b2 = _mm256_fmadd_ps(w2, vb, b2);
+        b3 = _mm256_fmadd_ps(w3, vb, b3);
+      }
+      const __m256 sums[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+      for (int r = 0; r < 2; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          y[(t + r) * out + j0 + c] = sum8(sums[r][c]) + (bias ? bias[j0 + c] : 0.0f);
+        }
+      }
+    }
+    for (; t < rows; ++t) {
+      const float* xa = x + t * in;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < in; i += 8) {
+        const __m256 va = _mm256_loadu_ps(xa + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(d0 + i), va, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(d1 + i), va, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(d2 + i), va, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(d3 + i), va, a3);
+      }
+      const __m256 sums[4] = {a0, a1, a2, a3};
+      for (int64_t c = 0; c < cols; ++c) {
+        y[t * out + j0 + c] = sum8(sums[c]) + (bias ? bias[j0 + c] : 0.0f);
+      }
+    }
+  }
+}
+
+void avx2(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
+          int64_t row_bytes, int64_t out, const float* bias, float* y) {
+  // Grains of 16 outputs (four tiles of four), as "portable".
+  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    avx2_columns(qtype, x, rows, in, w, row_bytes, out, bias, y, 16 * begin,
+                 std::min(out, 16 * end));
   });
 }
 
@@ -614,13 +705,18 @@ bool cpu_has_avx512_float() {
          __builtin_cpu_supports("fma");
 }
 
+bool cpu_has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("fma");
+}
+
 bool cpu_has_vnni() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 }
 
-// path: "portable", "vnni" (x quantized to int8), "vnni2" (x in two int8 terms) or "float" (x
+// path: "portable", "avx2" (as portable, FMAs on 8 lanes), "vnni" (x quantized to int8), "vnni2" (x in two int8 terms) or "float" (x
 // as it is: bfloat16 through the AVX512-BF16 dot product where the CPU has it, otherwise
 // widened to float32 for FMAs).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
@@ -648,9 +744,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
     b = bias->to(at::kFloat).contiguous();
   }
   const bool split = path == "vnni2", use_vnni = path == "vnni" || split,
-             use_float = path == "float";
-  TORCH_CHECK(use_vnni || use_float || path == "portable",
-              "quant_linear: path must be portable, vnni, vnni2 or float, got ", path);
+             use_float = path == "float", use_avx2 = path == "avx2";
+  TORCH_CHECK(use_vnni || use_float || use_avx2 || path == "portable",
+              "quant_linear: path must be portable, avx2, vnni, vnni2 or float, got ", path);
+  TORCH_CHECK(!use_avx2 || cpu_has_avx2(),
+              "quant_linear: this CPU lacks AVX2 with F16C and FMA");
   TORCH_CHECK(!use_vnni || cpu_has_vnni(), "quant_linear: this CPU lacks AVX512-VNNI");
   TORCH_CHECK(!use_float || cpu_has_avx512_float(),
               "quant_linear: this CPU lacks AVX-512 (F, BW, VL) with F16C and FMA");
@@ -667,7 +765,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
     } else if (use_float) {
       float_path<false>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
     } else {
-      auto* fn = split ? &vnni<true> : use_vnni ? &vnni<false> : &portable;
+      auto* fn = split ? &vnni<true> : use_vnni ? &vnni<false> : use_avx2 ? &avx2 : &portable;
       fn(qtype, xc.data_ptr<float>(), rows, in, wp, row_bytes, out, bp, yp);
     }
   }
