@@ -48,8 +48,14 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def push(self, event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    def push(self, event: Any) -> bool:
+        """Queue `event` for the caller; False where the caller's event loop has closed (the
+        caller is gone: its request must end, nothing else)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
 
 class InProcessClient(EngineClient):
@@ -247,5 +253,8 @@ class InProcessClient(EngineClient):
             if sink.builder.finished:
                 del self._sinks[out.rid]
             event = sink.builder.event()
-            if event is not None:
-                sink.push((sink.index, event))
+            if event is not None and not sink.push((sink.index, event)):
+                # The caller's loop closed before its cancellation's abort arrived here.
+                self._sinks.pop(out.rid, None)
+                if out.finished_reason is None:
+                    self.scheduler.abort(out.rid)

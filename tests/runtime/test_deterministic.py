@@ -116,6 +116,22 @@ def test_asking_where_it_cannot_hold_names_why(make_tiny_model) -> None:
     assert not EngineArgs(model_path=path, dtype="float16").resolve().deterministic
 
 
+def test_on_a_cpu_without_avx512_it_is_off_and_refused_naming_why(make_tiny_model,
+                                                                  monkeypatch) -> None:
+    """An AVX2-only CPU (AMD Zen 2/3): the kernels' instructions missing, as
+    `capabilities.kernel_instructions` reports there."""
+    import arborlm.runtime.config as config
+
+    monkeypatch.setattr(config, "kernel_instructions", lambda dtype: False)
+    path = str(make_tiny_model("llama"))
+    for dtype in ("float32", "bfloat16"):
+        assert not EngineArgs(model_path=path, dtype=dtype).resolve().deterministic
+        with pytest.raises(InvalidRequestError, match="lacks the instructions of ArborLM's") as e:
+            EngineArgs(model_path=path, dtype=dtype,
+                       enable_deterministic_inference=True).resolve()
+        assert e.value.param == "enable_deterministic_inference" and "AVX-512" in str(e.value)
+
+
 def test_without_the_kernels_it_is_off_by_default_and_refused_when_asked(make_tiny_model,
                                                                          monkeypatch) -> None:
     from arborlm import Engine

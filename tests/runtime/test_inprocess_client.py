@@ -72,3 +72,37 @@ def test_shutdown_frees_the_kv_pool_and_the_weights(make_tiny_model):
             engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
     finally:
         gc.enable()
+
+
+def test_a_caller_whose_event_loop_closed_ends_its_request_only(make_tiny_model):
+    """A caller gone mid-request (its event loop closed with the request's stream unclosed, as
+    when a test times out or a notebook cell is interrupted): the scheduler thread drops that
+    request's events and aborts it, and the engine serves the next request."""
+    import asyncio
+
+    from arborlm.runtime.generate_request import GenerateRequest
+
+    engine = Engine(str(make_tiny_model("llama")), dtype="float32", max_total_tokens=4096)
+    try:
+        req = GenerateRequest(input_ids=[5, 6, 7], stream=True, sampling_params={
+            "max_new_tokens": 200, "ignore_eos": True, "temperature": 0})
+
+        streams = []  # held, so that no finalizer closes the stream while the loop runs
+
+        async def first_event_then_leave():
+            streams.append(engine.client.generate(req))
+            return await streams[0].__anext__()
+
+        loop = asyncio.new_event_loop()
+        index, event = loop.run_until_complete(first_event_then_leave())
+        loop.close()
+        rid = event["meta_info"]["id"]
+        out = engine.generate(input_ids=[8, 9], sampling_params={"max_new_tokens": 4})
+        assert len(out["output_ids"]) == 4
+        assert engine.client._error is None
+        assert rid not in engine.client._sinks
+        # Asked on the scheduler's own thread: nothing is left running (the 200 tokens would
+        # otherwise still be decoding).
+        assert engine.get_server_info()["num_running_reqs"] == 0
+    finally:
+        engine.shutdown()
