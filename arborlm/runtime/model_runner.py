@@ -31,6 +31,7 @@ from arborlm.runtime.distributed.group import TPGroup
 from arborlm.runtime.distributed.shard import TPShard
 from arborlm.runtime.forward_batch import ForwardBatch
 from arborlm.runtime.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
+from arborlm.runtime.platforms.cpu.capabilities import kernel_instructions
 from arborlm.runtime.platforms.registry import choose_decode_executor
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,11 @@ class ModelRunner:
             deterministic=self.deterministic, tp_size=1 if tp is None else tp.size)
         self.decode: DecodeExecutor = choose_decode_executor(self.decode_parts)
         logger.info("decode executor: %s", type(self.decode).__name__)
+        if self.device == "cpu" and not kernel_instructions(torch.float32):
+            logger.warning("this CPU lacks AVX-512: ArborLM's CPU kernels (the fused decode step, "
+                           "decode attention, deterministic inference) do not run; linears run "
+                           "on oneDNN and attention on torch, several times slower "
+                           "(docs/performance.md, 'On a CPU without AVX-512')")
         if tp is not None:
             tp.set_op_timeout(args.dist_timeout)  # started: from now on a stall is a failure
 
