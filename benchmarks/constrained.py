@@ -40,6 +40,7 @@ schemas that need none <= 10%.
 
     python benchmarks/constrained.py
     python benchmarks/constrained.py --coverage-schemas 0   # the throughput sections only
+    python benchmarks/constrained.py --overhead-only --coverage-schemas 100   # the guard's cost
     python benchmarks/constrained.py --repeats 5 --compile-schemas 40
 """
 
@@ -343,6 +344,27 @@ def coverage(args) -> None:
     print(f"ArborLM / xgrammar alone: {ratio:.3f} (target >= 0.90)\n", flush=True)
 
 
+def overhead_only(args) -> None:
+    """The guard-overhead section alone (`--overhead-only`): no coverage sides before it."""
+    import schema_coverage as sc
+
+    from arborlm.runtime.engine import Engine
+
+    engine = Engine(args.model_path, grammar_compile_timeout=sc.COMPILE_TIMEOUT_S)
+    try:
+        overhead, ratio = sc.overhead_rows(engine, sc.load_all(args.coverage_schemas),
+                                           args.overhead_schemas, args.overhead_max_new_tokens,
+                                           args.repeats)
+    finally:
+        engine.shutdown()
+    print(f"guard overhead: schemas that need no guard (of the first {args.coverage_schemas}), "
+          f"{args.repeats} alternating runs in one engine, at most "
+          f"{args.overhead_max_new_tokens} new tokens (median output tok/s); load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(table(overhead, ("side", "schemas", "output tok/s")))
+    print(f"ArborLM / xgrammar alone: {ratio:.3f} (target >= 0.90)\n", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=None, help="default: the built-in default model")
@@ -372,7 +394,12 @@ def main() -> None:
     ap.add_argument("--overhead-max-new-tokens", type=int, default=96)
     ap.add_argument("--compile-only", action="store_true",
                     help="only the compile table")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only the guard-overhead table (on the first --coverage-schemas)")
     args = ap.parse_args()
+    if args.overhead_only:
+        overhead_only(args)
+        os._exit(0)
     if args.coverage_schemas and not args.compile_only:
         coverage(args)
 

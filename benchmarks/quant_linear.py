@@ -1,4 +1,4 @@
-"""`quant_linear` (linears from GGUF blocks kept packed) against `panel_linear` on bfloat16.
+"""`quant_linear` (linears from GGUF blocks kept packed) against the float linears ArborLM runs.
 
 One decode step's linears of SmolLM2-135M (30 layers of q, k, v, o, gate, up, down: 576 wide,
 1536 intermediate; no head), each weight a different tensor so the step streams them all from
@@ -7,12 +7,15 @@ panels (`panel_linear`, what ArborLM's bf16 decode runs) and each packed type (w
 `gguf`'s quantizer on random values) on each of `quant_linear`'s paths (`--paths`: "float",
 weights dequantized in registers against activations widened to float32; "bf16", against the
 bfloat16 activations with `vdpbf16ps`; "vnni2", activations in two int8 terms; "vnni", int8
-activations; "default", `quant_path`'s choice for the row count),
+activations; "avx2", blocks dequantized to float32 in 8-lane FMAs, where AVX-512 is missing;
+"portable", scalar; "default", `quant_path`'s choice for the row count),
 `--repeats` rounds; prints the median and the fastest round of each, in milliseconds per step,
-and bf16 / this (above 1: the packed one is faster). Activations are bfloat16 throughout.
+and base / this (above 1: the packed one is faster). Activations are bfloat16 throughout.
+On a CPU without AVX512-BF16 the base is what the engine runs there instead: float32 weights in
+`PackedLinear` (oneDNN) on float32 activations, which the packed paths then take too.
 
     python benchmarks/quant_linear.py [--threads 2] [--repeats 7] [--rows 1 8 32 128 512]
-        [--types Q8_0 Q4_1] [--paths default float bf16 vnni2 vnni]
+        [--types Q8_0 Q4_1] [--paths default float bf16 vnni2 vnni avx2 portable]
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from gguf import GGMLQuantizationType as T
 
 from arborlm.runtime.platforms.cpu import capabilities
 from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu.linear import PackedLinear
 from arborlm.runtime.platforms.cpu.quant_linear import quantize_weight
 
 LAYERS = 30
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 TYPES = ["Q8_0", "Q4_1"]
-PATHS = ["default", "float", "bf16", "vnni2", "vnni"]
+PATHS = ["default", "float", "bf16", "vnni2", "vnni", "avx2", "portable"]
 
 
 def weights(kind: str | T) -> list[tuple]:
@@ -42,8 +46,14 @@ def weights(kind: str | T) -> list[tuple]:
     for _ in range(LAYERS):
         for rows, cols in SHAPES:
             w = torch.randn(rows, cols, generator=g) * 0.02
-            packed = cpu_kernels.pack_panels(w.bfloat16()) if kind == "bf16" \
-                else quantize_weight(w, kind)
+            if kind == "bf16":
+                packed = cpu_kernels.pack_panels(w.bfloat16())
+            elif kind == "fp32":  # the engine's float32 linear where there are no panels
+                linear = torch.nn.Linear(cols, rows, bias=False).requires_grad_(False)
+                linear.weight.copy_(w)
+                packed = PackedLinear(linear)
+            else:
+                packed = quantize_weight(w, kind)
             out.append((packed, rows, cols))
     return out
 
@@ -53,6 +63,9 @@ def step(kind: str | tuple[T, str], layers: list[tuple], xs: dict[int, torch.Ten
     if kind == "bf16":
         for packed, rows, cols in layers:
             cpu_kernels.panel_linear(xs[cols], packed, rows)
+    elif kind == "fp32":
+        for module, _, cols in layers:
+            module(xs[cols])
     else:
         qtype, path = kind
         path = None if path == "default" else path
@@ -69,40 +82,40 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=TYPES, choices=[t.name for t in T])
     ap.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS)
     args = ap.parse_args()
-    if not cpu_kernels.available(torch.bfloat16):
-        raise SystemExit("this CPU lacks AVX512-BF16: no bfloat16 panels to compare with")
+    base = "bf16" if cpu_kernels.available(torch.bfloat16) else "fp32"
+    act = torch.bfloat16 if base == "bf16" else torch.float32
     torch.set_num_threads(args.threads)
     here = cpu_kernels.quant_paths()
     print(f"threads {args.threads}, quant_linear paths here: {', '.join(here)}, "
           f"AVX512-BF16: {capabilities.has_native_bf16()}")
     types = [T[name] for name in args.types]
-    sets = {kind: weights(kind) for kind in ["bf16", *types]}
-    kinds: list = ["bf16"] + [(t, p) for t in types for p in args.paths
-                              if p == "default" or p in here]
+    sets = {kind: weights(kind) for kind in [base, *types]}
+    kinds: list = [base] + [(t, p) for t in types for p in args.paths
+                            if p == "default" or p in here]
     for rows in args.rows:
         g = torch.Generator().manual_seed(rows)
-        xs = {cols: torch.randn(rows, cols, generator=g).bfloat16() for cols in (576, 1536)}
+        xs = {cols: torch.randn(rows, cols, generator=g).to(act) for cols in (576, 1536)}
         times: dict = {kind: [] for kind in kinds}
 
         def layers(kind):
-            return sets[kind if kind == "bf16" else kind[0]]
+            return sets[kind if kind == base else kind[0]]
 
         for kind in kinds:  # warm-up
             step(kind, layers(kind), xs)
         for _ in range(args.repeats):
             for kind in kinds:
                 times[kind].append(step(kind, layers(kind), xs))
-        base = statistics.median(times["bf16"])
+        base_s = statistics.median(times[base])
         for kind in kinds:
-            if kind == "bf16":
-                name = "bf16 panels"
+            if kind == base:
+                name = "bf16 panels" if base == "bf16" else "fp32 PackedLinear"
             else:
                 chosen = cpu_kernels.quant_path(rows) if kind[1] == "default" else kind[1]
                 name = f"{kind[0].name} {kind[1]}" + (f" ({chosen})" if kind[1] == "default"
                                                       else "")
             med, best = statistics.median(times[kind]), min(times[kind])
             print(f"rows {rows:4d}  {name:24s} median {med * 1e3:8.2f} ms  fastest "
-                  f"{best * 1e3:8.2f} ms  bf16/this {base / med:5.2f}", flush=True)
+                  f"{best * 1e3:8.2f} ms  base/this {base_s / med:5.2f}", flush=True)
 
 
 if __name__ == "__main__":
