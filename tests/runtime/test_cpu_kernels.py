@@ -120,8 +120,8 @@ def test_packed_linear_routes_decode_batches_to_the_kernel(dtype, monkeypatch):
     """Up to `PANEL_MAX_ROWS` rows go through `panel_linear` (no plain copy is kept); more rows
     through oneDNN; with ARBORLM_CPU_KERNELS=0 the kernel is never called."""
     _skip_unless_available(dtype)
-    if not cpu_linear.packing_available():
-        pytest.skip("this torch build has no oneDNN packed linear")
+    if not cpu_linear.packing_available(dtype):
+        pytest.skip("no oneDNN packed linear for this dtype here (the torch build or the CPU)")
     calls = []
     kernel = cpu_kernels.panel_linear
 
@@ -156,8 +156,8 @@ def test_traced_batches_call_the_packed_weight(dtype, python_op, monkeypatch):
     weight through ArborLM's C++ operator (or, where the operators are not built, the Python
     one) and equals the eager oneDNN product bit for bit; the C++ registry lets go of a layer
     when it is collected, and an unknown number is a clear error."""
-    if not cpu_linear.packing_available():
-        pytest.skip("this torch build has no oneDNN packed linear")
+    if not cpu_linear.packing_available(dtype):
+        pytest.skip("no oneDNN packed linear for this dtype here (the torch build or the CPU)")
     if not python_op and not cpu_kernels.packed_linear_available():
         pytest.skip("ArborLM's CPU operators are not built here")
     if python_op:

@@ -113,8 +113,8 @@ def test_packed_linears_match_transformers(make_tiny_model, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_linear_matches_f_linear(dtype):
-    if not cpu_linear.packing_available():
-        pytest.skip("this torch build has no oneDNN packed linear")
+    if not cpu_linear.packing_available(dtype):
+        pytest.skip("no oneDNN packed linear for this dtype here (the torch build or the CPU)")
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(256, 384, bias=True).to(dtype)
     packed = cpu_linear.PackedLinear(linear)
@@ -156,3 +156,17 @@ def test_decode_workspace_matches_transformers(make_tiny_model, monkeypatch):
     for prompt, p, out in zip(prompts, params, outs):
         assert out["output_ids"] == hf_greedy(path, prompt, p["max_new_tokens"])
     engine.shutdown()
+
+
+def test_bfloat16_linears_are_packed_only_where_onednn_can_pack_them():
+    """oneDNN packs bfloat16 weights only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT; on an
+    AVX2-only CPU `pack_linears` leaves them plain (it used to raise there, so a bfloat16
+    engine could not load) and the model computes as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 384), torch.nn.Linear(384, 512)).bfloat16()
+    x = torch.randn(5, 512).bfloat16()
+    with torch.no_grad():
+        want = model(x)
+        packed = cpu_linear.pack_linears(model)
+        assert packed == (2 if cpu_linear.packing_available(torch.bfloat16) else 0)
+        torch.testing.assert_close(model(x), want, atol=0.05, rtol=0.02)

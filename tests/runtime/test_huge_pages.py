@@ -52,7 +52,7 @@ def test_arena_copies_aligned_and_advised():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_weights_move_and_keep_their_products(dtype, monkeypatch):
-    if not (cpu_linear.packing_available() and cpu_kernels.available(dtype)):
+    if not (cpu_linear.packing_available(dtype) and cpu_kernels.available(dtype)):
         pytest.skip("no packed linears or no panel kernel here")
     monkeypatch.setattr(cpu_linear, "MIN_PACKED_ELEMENTS", 0)
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ from arborlm.runtime.config import ModelConfig
 from arborlm.runtime.layers.rotary import inverse_frequencies, rope_parameters
 from arborlm.runtime.models.factory import ARCHS, tiny_model
 from arborlm.runtime.models.registry import load_model
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from tests.runtime.model_harness import ModelHarness
 
 FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
@@ -34,6 +35,11 @@ FP32_TOL = {"atol": 1e-4, "rtol": 1e-4}
 # 0.14-0.37 between transformers' bfloat16 and float32 logits.
 BF16_PREFILL_ATOL = 0.1
 BF16_DECODE_ATOL = 0.2
+# How much farther from the float32 logits than transformers' bfloat16 ones ours may be. With
+# ArborLM's bfloat16 kernels each output is a float32 sum rounded once; without them (an
+# AVX2-only CPU) bfloat16 linears run on torch's own bfloat16 GEMM, the stacked q/k/v and
+# gate/up blocked unlike transformers' separate linears (measured 1.29x on llama3 there).
+BF16_VS_REFERENCE = 1.25 if cpu_kernels.available(torch.bfloat16) else 1.5
 
 
 def _models(arch: str, dtype: str = "float32",
@@ -137,7 +143,7 @@ def test_bfloat16_close_to_transformers_bfloat16(arch: str) -> None:
     torch.testing.assert_close(got[20:], ref[20:], atol=BF16_DECODE_ATOL, rtol=0)
     # ... and as close to the float32 logits as transformers' own bfloat16 ones are.
     exact = _reference(arch, ids, "float32")
-    assert (got - exact).abs().max() <= 1.25 * (ref - exact).abs().max()
+    assert (got - exact).abs().max() <= BF16_VS_REFERENCE * (ref - exact).abs().max()
 
 
 @pytest.mark.parametrize(("arch", "overrides"), [

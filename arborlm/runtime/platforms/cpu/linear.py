@@ -54,11 +54,15 @@ BATCH_HINT = 32
 PANEL_MAX_ROWS = 128
 
 
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN and its packed-linear ops."""
-    return (torch.backends.mkldnn.is_available()
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN and its packed-linear ops, for `dtype` on this CPU:
+    oneDNN packs bfloat16 only where the CPU has AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only
+    CPU has neither: its bfloat16 linears stay plain)."""
+    if not (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
@@ -193,12 +197,13 @@ class RowLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def _eligible(module: nn.Module, any_size: bool = False) -> bool:
+def _eligible(module: nn.Module, panels_only: bool = False) -> bool:
     if type(module) is not nn.Linear:
         return False
     w = module.weight
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-            and (any_size or w.numel() >= MIN_PACKED_ELEMENTS))
+            and (panels_only or (w.numel() >= MIN_PACKED_ELEMENTS
+                                 and packing_available(w.dtype))))
 
 
 def pack_linears(model: nn.Module, transpose_fp32: bool = True,
