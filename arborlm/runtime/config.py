@@ -379,6 +379,12 @@ class EngineArgs:
         if value != Quantization.GGUF and is_gguf:
             reasons.append(f"{model.path} is a GGUF file: --quantization gguf keeps its own "
                            f"quantization (requantizing it would compound the rounding)")
+        if self.device == "cpu" and not reasons:
+            from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+
+            if not cpu_kernels.quant_linear_available():  # builds them: nothing else may have
+                reasons.append("ArborLM's CPU operators are not available here (they need an "
+                               "x86-64 CPU and a C++ compiler, and ARBORLM_CPU_KERNELS not 0)")
         if reasons:
             raise InvalidRequestError(f"quantization {value} cannot apply: " + "; ".join(reasons),
                                       "quantization")

@@ -14,6 +14,10 @@ flip to a near-tie: the token picked is within 0.3 nats of the reference's best 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -124,6 +128,42 @@ def test_options_it_cannot_apply_to_are_refused_naming_it(make_tiny_model, args,
     with pytest.raises(InvalidRequestError, match=reason) as e:
         EngineArgs(model_path=str(make_tiny_model("llama")), **args).resolve()
     assert e.value.param == "quantization"
+
+
+def test_without_its_operators_it_is_refused_naming_why(make_tiny_model, monkeypatch):
+    monkeypatch.setenv("ARBORLM_CPU_KERNELS", "0")
+    with pytest.raises(InvalidRequestError, match="CPU operators are not available") as e:
+        EngineArgs(model_path=str(make_tiny_model("llama")), quantization="q4_0").resolve()
+    assert e.value.param == "quantization"
+
+
+_FRESH_ENGINE = """
+import json, sys
+import arborlm
+engine = arborlm.Engine(model_path=sys.argv[1], dtype="float32", quantization="q4_0")
+out = engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={
+    "temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+engine.shutdown()
+print(json.dumps(out[0]["output_ids"]))
+"""
+
+
+def test_a_quantized_engine_loads_its_operators_itself(make_tiny_model):
+    """In a fresh interpreter nothing else has loaded ArborLM's operators (on a CPU without
+    AVX-512 no other kernel asks for them): the engine must, not die at its first step with
+    `torch.ops.arborlm` lacking `quant_linear`. Its tokens equal this process's engine's."""
+    _skip_unless("portable")
+    path = str(make_tiny_model("llama"))
+    run = subprocess.run([sys.executable, "-c", _FRESH_ENGINE, path], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    engine = arborlm.Engine(model_path=path, dtype="float32", quantization="q4_0")
+    try:
+        want = engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={
+            "temperature": 0, "max_new_tokens": 6, "ignore_eos": True})[0]["output_ids"]
+    finally:
+        engine.shutdown()
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == want
 
 
 @pytest.mark.parametrize("arch, qtype", [("llama", "Q4_K"), ("qwen2", "Q4_0")])
