@@ -15,7 +15,9 @@ several, an all-zero row and rows with one huge value. Every path this CPU grant
 - vnni (x quantized per 32-value block to int8 first, as llama.cpp does): the float64 product of
   the same int8 activations to summation error, and of x itself to within the activations'
   rounding bound (half a quant step of each block times the block's weight magnitude);
-- vnni2 (x in two int8 terms): the float64 product of x to within a 256th of that bound.
+- vnni2 (x in two int8 terms): the float64 product of x to within a 256th of that bound;
+  avx2_int (vnni2 with AVX2's byte products) the same, and equal to vnni2 bit for bit where
+  both run.
 
 A row's result must not depend on the other rows of the call; bias adds; bfloat16 x gives the
 float32 result rounded where a path widens it.
@@ -38,7 +40,7 @@ from arborlm.runtime.platforms.cpu.quant_linear import (
 from tests.runtime.gguf_reference import T, random_blocks, reference_dequantize
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-PATHS = ["portable", "avx2", "float", "bf16", "vnni2", "vnni"]
+PATHS = ["portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni"]
 EPS32 = 2.0 ** -24
 # Ordinary f16 scales (no extremes), for the checks where x's own extremes are under test.
 PLAIN_SCALES = np.array([0.0, 1.0, 1e-3, -2.5, 0.0625, 3.0], dtype=np.float16)
@@ -76,6 +78,7 @@ def _quantized_activations(x: np.ndarray) -> np.ndarray:
 
 def _check(y: torch.Tensor, x: torch.Tensor, values: np.ndarray, magnitude: np.ndarray,
            path: str) -> None:
+    path = "vnni2" if path == "avx2_int" else path  # the same arithmetic
     x64 = x.double().numpy()
     got = y.double().numpy()
     inp = x.shape[1]
@@ -194,7 +197,8 @@ def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
 
 
 @pytest.mark.parametrize("path,within", [("vnni", 1e-2), ("vnni2", 1e-4), ("float", 1e-5),
-                                         ("bf16", 1e-5), ("avx2", 1e-5)])
+                                         ("bf16", 1e-5), ("avx2", 1e-5),
+                                         ("avx2_int", 1e-4)])
 def test_paths_agree_on_real_scales(path, within):
     """Each path differs from the portable one only by its activations' rounding: on ordinary
     weights and activations, int8 well under 1% of the output's scale, two int8 terms under
@@ -208,18 +212,38 @@ def test_paths_agree_on_real_scales(path, within):
         assert (a - b).abs().max() <= within * b.abs().max(), qtype.name
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_avx2_int_is_vnni2_bit_for_bit(qtype):
+    """The AVX2 integer path forms the int32 lanes `vpdpbusd` does and runs the same float
+    operations, so on a CPU with both it gives "vnni2"'s outputs exactly: awkward scales, odd
+    shapes, rows of zeros and of one huge value, 1 to 9 rows."""
+    _skip_unless("vnni2")
+    _skip_unless("avx2_int")
+    for rows, out in [(1, 67), (4, 64), (9, 130)]:
+        w, _, _ = _weight(qtype, out, 512, seed=int(qtype) * 7 + rows)
+        x = _x(rows, 512, seed=rows + 40)
+        a = cpu_kernels.quant_linear(x, w, int(qtype), path="avx2_int")
+        b = cpu_kernels.quant_linear(x, w, int(qtype), path="vnni2")
+        assert torch.equal(a, b), (qtype.name, rows, (a - b).abs().max().item())
+
+
 def test_the_path_is_chosen_by_rows_and_can_be_forced(monkeypatch):
     """The float path on the activations as they are ("bf16") from `FLOAT_PATH_ROWS` rows, two
-    int8 terms below (where the CPU has VNNI); without AVX-512 "avx2", without AVX2 "portable";
+    int8 terms below (where the CPU has VNNI); without AVX-512 "avx2" from
+    `AVX2_FLOAT_PATH_ROWS` rows and "avx2_int" below; without AVX2 "portable";
     int8 activations, or bfloat16 ones widened to float32, only when asked for; an unknown name
     is refused."""
     _skip_unless("portable")
     here = cpu_kernels.quant_paths()
     monkeypatch.delenv("ARBORLM_QUANT_PATH", raising=False)
-    many, few = cpu_kernels.quant_path(cpu_kernels.FLOAT_PATH_ROWS), cpu_kernels.quant_path(1)
+    many = cpu_kernels.quant_path(max(cpu_kernels.FLOAT_PATH_ROWS,
+                                      cpu_kernels.AVX2_FLOAT_PATH_ROWS))
+    few = cpu_kernels.quant_path(1)
     assert many == ("bf16" if "bf16" in here else "avx2" if "avx2" in here else "portable")
-    assert ("avx2" in here) == capabilities.has_avx2_fma()
-    assert few == ("vnni2" if "vnni2" in here else many)
+    assert ("avx2" in here) == ("avx2_int" in here) == capabilities.has_avx2_fma()
+    assert few == ("vnni2" if "vnni2" in here else "bf16" if "bf16" in here
+                   else "avx2_int" if "avx2" in here else "portable")
+    assert cpu_kernels.batch_invariant_quant_path() == many
     assert not {"vnni", "float"} & {many, few}
     monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")
     assert cpu_kernels.quant_path(1) == cpu_kernels.quant_path(512) == "portable"
@@ -237,7 +261,8 @@ def test_bad_arguments_are_refused():
         cpu_kernels.quant_linear(torch.randn(2, 96), w, int(T.Q4_0), path="portable")
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q2_K), path="portable")
-    with pytest.raises(RuntimeError, match="path must be portable, avx2, vnni, vnni2 or float"):
+    with pytest.raises(RuntimeError,
+                       match="path must be portable, avx2, avx2_int, vnni, vnni2 or float"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), path="int4")
     with pytest.raises(RuntimeError, match="bias must be"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), torch.zeros(3),

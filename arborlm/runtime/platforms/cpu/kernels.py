@@ -375,24 +375,27 @@ def quant_linear_available() -> bool:
 
 
 # `quant_linear`'s paths (`csrc/quant_linear.cpp`): "portable" (scalar, any x86-64), "avx2"
-# (the portable path's dequantized blocks in 8-lane FMAs: AVX2, FMA, F16C), "float"
+# (the portable path's dequantized blocks in 8-lane FMAs: AVX2, FMA, F16C), "avx2_int"
+# ("vnni2"'s arithmetic, and outputs, with AVX2's byte products), "float"
 # (x widened to float32 against weights dequantized in registers, FMAs: AVX-512 F/BW/VL),
 # "bf16" (the kernel's float path on bfloat16 x as it is: `vdpbf16ps` against weights rounded
 # to bfloat16, where AVX512-BF16 is granted; float32 x as "float"), "vnni2" (x in two int8 terms
 # per block, ~15 bits: AVX512-VNNI) and "vnni" (x quantized to int8 per block, as llama.cpp
 # does; opt-in only: on SmolLM2-135M's Q4_1 file it agrees with the dequantized model's top-1
 # token at too few positions, tests/real_model/test_quantization_smollm2.py).
-QUANT_PATHS = ("portable", "avx2", "float", "bf16", "vnni2", "vnni")
+QUANT_PATHS = ("portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni")
 # From this many rows the float path is the faster (benchmarks/quant_linear.py; figures in
 # docs/performance.md); below it, the integer path with two-term activations.
 FLOAT_PATH_ROWS = 8
+# The same crossover without AVX-512, between "avx2_int" and "avx2".
+AVX2_FLOAT_PATH_ROWS = 16
 
 
 def quant_paths() -> tuple[str, ...]:
     """The `quant_linear` paths this CPU (and its OS) grants."""
     paths = ["portable"]
     if capabilities.has_avx2_fma():
-        paths.append("avx2")
+        paths += ["avx2", "avx2_int"]
     if capabilities.has_avx512_quant_float():
         paths += ["float", "bf16"]
     if capabilities.has_avx512_vnni():
@@ -403,8 +406,8 @@ def quant_paths() -> tuple[str, ...]:
 def quant_path(rows: int = 1) -> str:
     """The path `quant_linear` runs for `rows` rows of x: `$ARBORLM_QUANT_PATH` where set (one
     of `QUANT_PATHS`; "float" and "vnni" are only ever chosen this way), else "bf16" from
-    `FLOAT_PATH_ROWS` rows and "vnni2" below, each where the CPU grants it, else "bf16", else
-    "avx2", else "portable"."""
+    `FLOAT_PATH_ROWS` rows and "vnni2" below, each where the CPU grants it, else "bf16"; without
+    AVX-512 "avx2" from `AVX2_FLOAT_PATH_ROWS` rows and "avx2_int" below; else "portable"."""
     forced = os.environ.get("ARBORLM_QUANT_PATH", "")
     if forced:
         if forced not in QUANT_PATHS:
@@ -413,18 +416,19 @@ def quant_path(rows: int = 1) -> str:
     here = quant_paths()
     if "vnni2" in here and rows < FLOAT_PATH_ROWS:
         return "vnni2"
-    for path in ("bf16", "avx2"):
-        if path in here:
-            return path
+    if "bf16" in here:
+        return "bf16"
+    if "avx2" in here:
+        return "avx2_int" if rows < AVX2_FLOAT_PATH_ROWS else "avx2"
     return "portable"
 
 
 def batch_invariant_quant_path() -> str:
     """The one path deterministic inference runs for every number of rows: `$ARBORLM_QUANT_PATH`
     where set, else "bf16" (float activations, the default from `FLOAT_PATH_ROWS` rows: prefill
-    and batches stay fast, and one row loses a little against "vnni2"), else "avx2", else
-    "portable"."""
-    return quant_path(FLOAT_PATH_ROWS)
+    and batches stay fast, and one row loses a little against "vnni2"), else "avx2" (the same
+    choice without AVX-512), else "portable"."""
+    return quant_path(max(FLOAT_PATH_ROWS, AVX2_FLOAT_PATH_ROWS))
 
 
 def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,

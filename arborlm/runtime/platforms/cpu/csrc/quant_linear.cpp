@@ -2,7 +2,7 @@
 //
 // The weight is a GGUF tensor's bytes, one row per output column (`[out, row bytes]` uint8),
 // never dequantized into memory. A decode step streams every weight once, so a 4-bit weight
-// reads a quarter of bfloat16's bytes. Five paths, named per call by the caller (`path`;
+// reads a quarter of bfloat16's bytes. Six paths, named per call by the caller (`path`;
 // `cpu_kernels.quant_path` chooses by the CPU and the number of rows):
 //
 // - "vnni": integer dot products (AVX512-VNNI `vpdpbusd` on 256-bit vectors), as llama.cpp's CPU
@@ -27,6 +27,8 @@
 // - "avx2", for CPUs with AVX2, FMA and F16C but not AVX-512 (AMD Zen 2/3, most Intel client
 //   cores): four weight rows dequantized to float32 as "portable" does, then dotted with x in
 //   8-lane FMAs, two rows of x at a time.
+// - "avx2_int", for the same CPUs: "vnni2" with AVX2's byte products (`vpmaddubsw`, then
+//   `vpmaddwd` against ones) in place of `vpdpbusd`, the same outputs bit for bit.
 // - "portable", for CPUs without those instructions: each 32-value block dequantized to
 //   float32 on the stack and dotted with x unquantized. Compiled for baseline x86-64, so it
 //   runs anywhere; slower, never an illegal instruction.
@@ -312,15 +314,6 @@ VNNI_TARGET void quantize_block(const float* xb, int8_t* q, int8_t* q2, float* d
   *s = db * sum;
 }
 
-void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, int8_t* q2, float* d,
-                   float* s) {
-  // Rows are contiguous and `in` a multiple of 32: block i is x[32 i .. 32 i + 32).
-  at::parallel_for(0, rows * (in / 32), 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      quantize_block(x + i * 32, q + i * 32, q2 ? q2 + i * 32 : nullptr, d + i, s + i);
-    }
-  });
-}
 
 // One weight block unpacked: 32 quants as bytes (unsigned, or signed where `is_signed`), the
 // weight's scale for each of the 8 int32 lanes of the dot product (4 quants a lane), and the
@@ -331,18 +324,31 @@ struct Unpacked {
   float min_coef;
 };
 
-BW_TARGET inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> lows then highs
+// Unpacking needs AVX2 only, so the AVX2 integer path shares it; the AVX-512 paths inline it.
+AVX2_TARGET inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> lows then highs
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-BW_TARGET inline __m256i bits_to_16s(uint32_t bits) {  // bit i -> byte i = 16 or 0
-  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
+// Bytes whose bit `bit` of the same byte of `v` is set -> 16, others 0.
+AVX2_TARGET inline __m256i bit_to_16s(__m256i v, uint8_t bit) {
+  const __m256i b = _mm256_set1_epi8(static_cast<char>(bit));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, b), b), _mm256_set1_epi8(16));
+}
+
+AVX2_TARGET inline __m256i bits_to_16s(uint32_t bits) {  // bit i -> byte i = 16 or 0
+  // Byte i takes byte i / 8 of `bits`, then is tested against bit i % 8.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i b = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, b), b),
+                          _mm256_set1_epi8(16));
 }
 
 template <int QT>
-BW_TARGET inline Unpacked unpack(const uint8_t* row, int64_t b) {
+AVX2_TARGET inline Unpacked unpack(const uint8_t* row, int64_t b) {
   Unpacked u;
   if constexpr (QT == Q8_0) {
     const uint8_t* p = row + b * 34;
@@ -376,8 +382,7 @@ BW_TARGET inline Unpacked unpack(const uint8_t* row, int64_t b) {
     __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (sub % 2)), _mm256_set1_epi8(0x0F));
     if constexpr (QT == Q5_K) {
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-      const __mmask32 high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8(1 << sub));
-      q = _mm256_mask_add_epi8(q, high, q, _mm256_set1_epi8(16));
+      q = _mm256_add_epi8(q, bit_to_16s(qh, static_cast<uint8_t>(1 << sub)));
     }
     u.q = q;
     u.scale = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)) * sc);
@@ -460,43 +465,173 @@ VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_
 constexpr int kMaxRows = 4;       // rows sharing each unpacked weight block
 constexpr int64_t kColTile = 64;  // columns whose weight rows stay cached while all rows pass
 
-template <int QT, bool SPLIT>
-VNNI_TARGET void vnni_linear(const Activations& a, int64_t rows, const uint8_t* w,
-                             int64_t row_bytes, int64_t out, const float* bias, float* y) {
+// ---- the AVX2 integer path -------------------------------------------------------------------
+//
+// "avx2_int": "vnni2" for CPUs with AVX2 but not AVX-512. x is quantized per block in two int8
+// terms by the same arithmetic on 8-lane vectors, weight blocks are unpacked by the same code,
+// and each int32 lane's four byte products (the lane `vpdpbusd` forms) are summed by
+// `vpmaddubsw` (adjacent pairs into int16: exact, since |w| <= 128 and |x| <= 127 keep a pair
+// within 32,512) and `vpmaddwd` against ones. Signed weights meet x as |w| against x with w's
+// sign (`vpsignb`). Every float operation is the one "vnni2" runs, in the same order, so the
+// outputs are the same bit for bit (tests/runtime/test_cpu_quant_linear.py checks it where
+// AVX512-VNNI runs too).
+
+AVX2_TARGET inline int32_t sum_epi32(__m256i v) {
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i h2 = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 1)));
+}
+
+// Four vectors of 8 int32 -> 32 int8 in order, saturated (as AVX-512's `vpmovsdb`).
+AVX2_TARGET inline void store_int8(const __m256i v[4], int8_t* dst) {
+  const __m256i pairs = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                           _mm256_packs_epi32(v[2], v[3]));
+  // 128-bit lanes interleave the packs: dwords hold v0[0:4] v1[0:4] v2[0:4] v3[0:4] v0[4:8]...
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(pairs, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// `quantize_block` on 8-lane vectors: the same d, q, q2 and s.
+AVX2_TARGET void quantize_block_avx2(const float* xb, int8_t* q, int8_t* q2, float* d, float* s) {
+  __m256 v[4];
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const float db = amax / 127.0f;
+  const float id = db != 0.0f ? 1.0f / db : 0.0f;
+  __m256i qi[4];
+  __m256i total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    total = _mm256_add_epi32(total, qi[i]);
+  }
+  store_int8(qi, q);
+  *d = db;
+  float sum = static_cast<float>(sum_epi32(total));
+  if (q2 != nullptr) {
+    const __m256 fine = _mm256_set1_ps(id * 256.0f), step = _mm256_set1_ps(db);
+    __m256i ri[4];
+    __m256i fine_total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(qi[i]), step, v[i]);
+      ri[i] = _mm256_cvtps_epi32(_mm256_mul_ps(r, fine));
+      ri[i] = _mm256_min_epi32(_mm256_max_epi32(ri[i], _mm256_set1_epi32(-127)),
+                               _mm256_set1_epi32(127));  // as stored
+      fine_total = _mm256_add_epi32(fine_total, ri[i]);
+    }
+    store_int8(ri, q2);
+    sum += static_cast<float>(sum_epi32(fine_total)) / 256.0f;
+  }
+  *s = db * sum;
+}
+
+// Products of w's unpacked quants (`uq`: unsigned, or |w| for signed types) with x's quants,
+// each int32 lane the sum of four (as `vpdpbusd` into zero).
+AVX2_TARGET inline __m256i dot4(__m256i uq, __m256i xq) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(uq, xq), _mm256_set1_epi16(1));
+}
+
+// `tile` with those dot products.
+template <int QT, int MR, bool SPLIT>
+AVX2_TARGET void tile_avx2(const Activations& a, int64_t t0, const uint8_t* w, int64_t row_bytes,
+                           int64_t j0, int64_t j1, const float* bias, float* y, int64_t ldy) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* row = w + j * row_bytes;
+    __m256 acc[MR];
+    float mins[MR];
+    for (int m = 0; m < MR; ++m) {
+      acc[m] = _mm256_setzero_ps();
+      mins[m] = 0.0f;
+    }
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const Unpacked u = unpack<QT>(row, b);
+      const __m256i uq = is_signed(QT) ? _mm256_abs_epi8(u.q) : u.q;
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (t0 + m) * a.blocks + b;
+        __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + at * 32));
+        if constexpr (is_signed(QT)) xq = _mm256_sign_epi8(xq, u.q);
+        __m256i dot = dot4(uq, xq);
+        float dx = a.d[at];
+        if constexpr (SPLIT) {
+          __m256i xq2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q2 + at * 32));
+          if constexpr (is_signed(QT)) xq2 = _mm256_sign_epi8(xq2, u.q);
+          dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dot4(uq, xq2));
+          dx *= 1.0f / 256.0f;
+        }
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_mul_ps(u.scale, _mm256_set1_ps(dx)), acc[m]);
+        if constexpr (!is_signed(QT)) mins[m] += u.min_coef * a.s[at];
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      y[(t0 + m) * ldy + j] = sum8(acc[m]) + mins[m] + (bias ? bias[j] : 0.0f);
+    }
+  }
+}
+
+// ---- the integer paths' driver ---------------------------------------------------------------
+
+template <int QT, int MR, bool SPLIT, bool AVX2>
+inline void int_tile(const Activations& a, int64_t t0, const uint8_t* w, int64_t row_bytes,
+                     int64_t j0, int64_t j1, const float* bias, float* y, int64_t ldy) {
+  if constexpr (AVX2) {
+    tile_avx2<QT, MR, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, ldy);
+  } else {
+    tile<QT, MR, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, ldy);
+  }
+}
+
+template <int QT, bool SPLIT, bool AVX2>
+void int_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
+                int64_t out, const float* bias, float* y) {
   const int64_t tiles = (out + kColTile - 1) / kColTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t j0 = c * kColTile, j1 = std::min(out, j0 + kColTile);
       for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {
         switch (std::min<int64_t>(kMaxRows, rows - t0)) {
-          case 4: tile<QT, 4, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          case 3: tile<QT, 3, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          case 2: tile<QT, 2, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          default: tile<QT, 1, SPLIT>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 4: int_tile<QT, 4, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 3: int_tile<QT, 3, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 2: int_tile<QT, 2, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          default: int_tile<QT, 1, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
         }
       }
     }
   });
 }
 
-template <bool SPLIT>
-void vnni(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
-          int64_t row_bytes, int64_t out, const float* bias, float* y) {
+// "vnni" (SPLIT false), "vnni2" (SPLIT true) and, with AVX2, "avx2_int" (SPLIT true).
+template <bool SPLIT, bool AVX2>
+void int_path(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
+              int64_t row_bytes, int64_t out, const float* bias, float* y) {
   const int64_t blocks = in / 32;
   std::vector<int8_t> q(rows * in);
   std::vector<float> d(rows * blocks), s(rows * blocks);
   std::vector<int8_t> q2(SPLIT ? rows * in : 0);
-  quantize_rows(x, rows, in, q.data(), SPLIT ? q2.data() : nullptr, d.data(), s.data());
-  const Activations a{q.data(), SPLIT ? q2.data() : nullptr, d.data(), s.data(), in, blocks};
+  int8_t* q2p = SPLIT ? q2.data() : nullptr;
+  // Rows are contiguous and `in` a multiple of 32: block i is x[32 i .. 32 i + 32).
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      auto* quantize = AVX2 ? &quantize_block_avx2 : &quantize_block;
+      quantize(x + i * 32, q.data() + i * 32, q2p ? q2p + i * 32 : nullptr, &d[i], &s[i]);
+    }
+  });
+  const Activations a{q.data(), q2p, d.data(), s.data(), in, blocks};
   switch (qtype) {
-    case Q8_0: return vnni_linear<Q8_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_0: return vnni_linear<Q4_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_1: return vnni_linear<Q4_1, SPLIT>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_0: return vnni_linear<Q5_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_1: return vnni_linear<Q5_1, SPLIT>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_K: return vnni_linear<Q4_K, SPLIT>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_K: return vnni_linear<Q5_K, SPLIT>(a, rows, w, row_bytes, out, bias, y);
-    case Q6_K: return vnni_linear<Q6_K, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    case Q8_0: return int_linear<Q8_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_0: return int_linear<Q4_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_1: return int_linear<Q4_1, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_0: return int_linear<Q5_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_1: return int_linear<Q5_1, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q4_K: return int_linear<Q4_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q5_K: return int_linear<Q5_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q6_K: return int_linear<Q6_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
     default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
   }
 }
@@ -716,7 +851,8 @@ bool cpu_has_vnni() {
          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 }
 
-// path: "portable", "avx2" (as portable, FMAs on 8 lanes), "vnni" (x quantized to int8), "vnni2" (x in two int8 terms) or "float" (x
+// path: "portable", "avx2" (as portable, FMAs on 8 lanes), "avx2_int" ("vnni2" on AVX2), "vnni"
+// (x quantized to int8), "vnni2" (x in two int8 terms) or "float" (x
 // as it is: bfloat16 through the AVX512-BF16 dot product where the CPU has it, otherwise
 // widened to float32 for FMAs).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
@@ -744,10 +880,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
     b = bias->to(at::kFloat).contiguous();
   }
   const bool split = path == "vnni2", use_vnni = path == "vnni" || split,
-             use_float = path == "float", use_avx2 = path == "avx2";
-  TORCH_CHECK(use_vnni || use_float || use_avx2 || path == "portable",
-              "quant_linear: path must be portable, avx2, vnni, vnni2 or float, got ", path);
-  TORCH_CHECK(!use_avx2 || cpu_has_avx2(),
+             use_float = path == "float", use_avx2 = path == "avx2",
+             use_avx2_int = path == "avx2_int";
+  TORCH_CHECK(use_vnni || use_float || use_avx2 || use_avx2_int || path == "portable",
+              "quant_linear: path must be portable, avx2, avx2_int, vnni, vnni2 or float, got ",
+              path);
+  TORCH_CHECK(!(use_avx2 || use_avx2_int) || cpu_has_avx2(),
               "quant_linear: this CPU lacks AVX2 with F16C and FMA");
   TORCH_CHECK(!use_vnni || cpu_has_vnni(), "quant_linear: this CPU lacks AVX512-VNNI");
   TORCH_CHECK(!use_float || cpu_has_avx512_float(),
@@ -765,7 +903,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
     } else if (use_float) {
       float_path<false>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
     } else {
-      auto* fn = split ? &vnni<true> : use_vnni ? &vnni<false> : use_avx2 ? &avx2 : &portable;
+      auto* fn = split ? &int_path<true, false>
+                 : use_vnni ? &int_path<false, false>
+                 : use_avx2_int ? &int_path<true, true>
+                 : use_avx2 ? &avx2 : &portable;
       fn(qtype, xc.data_ptr<float>(), rows, in, wp, row_bytes, out, bp, yp);
     }
   }
