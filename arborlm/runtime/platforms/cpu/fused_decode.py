@@ -14,6 +14,10 @@ Weights kept in GGUF's packed blocks (`--quantization`: `QuantLinear`, `QuantLin
 `QuantEmbedding`) go in as they are, with records naming their types (`PackedWeights`); the step
 computes them with the eager modules' kernels and conversions, on the one `quant_linear` path
 the eager modules would take for the batch's rows (or the path deterministic inference pinned).
+On a CPU with AVX2 but not AVX-512 the step serves float32 models whose linears are all packed
+(`cpu_kernels.packed_step_available`): its attention and row steps take AVX2 forms there (sums
+in other orders than the eager torch ops', so logits agree to float32 rounding), without
+cascade groups.
 """
 
 from __future__ import annotations
@@ -54,25 +58,27 @@ class FusedDecodeStep(DecodeExecutor):
         self.eps = model.model.norm.eps
         self.shape = (spec.scaling, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         # Deterministic inference has no cascade: a request's attention reads its own keys in
-        # one pass, whoever shares them.
-        self.cascade = not parts.deterministic
+        # one pass, whoever shares them. Nor has a CPU without AVX-512 (its prefix kernel).
+        self.cascade = not parts.deterministic and cpu_kernels.available(parts.kv_pool.dtype)
 
     @classmethod
     def of(cls, parts: DecodeParts, max_bs: int) -> FusedDecodeStep | None:
         """The fused step for `parts.model`, or None where it does not apply (another
-        architecture, q/k norms, a linear of another kind or dtype, no kernels)."""
+        architecture, q/k norms, a linear of another kind or dtype, no kernels; without
+        AVX-512, a float linear or a dtype other than float32)."""
         from arborlm.runtime.models.llama import LlamaForCausalLM
 
         model = parts.model
         dtype = parts.kv_pool.dtype
         if type(model) is not LlamaForCausalLM or model.flags.qk_norm \
-                or not cpu_kernels.available(dtype):
+                or not cpu_kernels.packed_step_available(dtype):
             return None
         spec = model.model.layers[0].self_attn.spec
         if not cpu_kernels.attention_fits(dtype, spec.num_heads // spec.num_kv_heads,
                                           spec.head_dim):
             return None
-        weights = PackedWeights(10 * len(model.model.layers) + 3)
+        weights = PackedWeights(10 * len(model.model.layers) + 3,
+                                panels=cpu_kernels.available(dtype))
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights.tensors.append(layer.input_layernorm.weight)
@@ -180,8 +186,9 @@ class PackedWeights:
     index, kind, parts, (tensor index, ggml type) per part), a stack's later parts in `extra`
     (after the `standard` entries)."""
 
-    def __init__(self, standard: int):
+    def __init__(self, standard: int, panels: bool = True):
         self.standard = standard
+        self.panels = panels  # whether float linears can go in as panels (AVX-512)
         self.tensors: list[torch.Tensor | None] = []
         self.extra: list[torch.Tensor] = []
         self.records: list[int] = []
@@ -206,7 +213,7 @@ class PackedWeights:
             self.paths.update(part.path for part in parts)
             self.tensors += [parts[0].blocks, linear.bias] if bias else [parts[0].blocks]
             return True
-        panels = _panels(linear, dtype)
+        panels = _panels(linear, dtype) if self.panels else None
         if panels is None or (not bias and panels[1] is not None):
             return False
         self.tensors += list(panels) if bias else [panels[0]]

@@ -81,6 +81,15 @@ def available(dtype: torch.dtype) -> bool:
     return _build()
 
 
+def packed_step_available(dtype: torch.dtype) -> bool:
+    """Whether the fused decode step runs here for a model whose linears are all packed GGUF
+    blocks: where `available(dtype)`, or in float32 on a CPU with AVX2 and FMA but not AVX-512
+    (its attention and row steps then take their AVX2 forms; no panels, no cascade groups)."""
+    if available(dtype):
+        return True
+    return dtype == torch.float32 and capabilities.has_avx2_fma() and quant_linear_available()
+
+
 def attention_available(dtype: torch.dtype) -> bool:
     """Whether `decode_attention` runs here for `dtype` (float32 or bfloat16 on AVX-512: it
     widens bfloat16 to float32, so it needs no BF16 instructions)."""

@@ -22,7 +22,8 @@
 // requests) as one softmax would.
 //
 // Compiled with per-function target attributes, so the file builds on any x86-64 compiler;
-// `cpu_kernels.py` only calls it on CPUs with AVX-512.
+// `cpu_kernels.py` only calls it on CPUs with AVX-512, and the fused decode step also on CPUs
+// with AVX2 (float32, `attend_row_avx2`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -527,6 +528,91 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   });
 }
 
+// ---- CPUs with AVX2 but not AVX-512 (float32 only) -------------------------------------------
+//
+// The same result per row, computed more plainly: each query's scores in 8-lane dot products,
+// its softmax with the library's exp, the weighted values summed in an L1-resident row. Serves
+// the fused decode step on such CPUs (`decode_step.cpp`); sums run in other orders than the
+// AVX-512 rows', so results agree to float32 rounding, not bit for bit.
+
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+AVX2_TARGET inline float dot_avx2(const float* a, const float* b, int64_t dim) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+// Query heads q [group, dim] over keys/values at rows slots[j] (j < len) of k and v (row
+// stride `stride`): out [group, dim] and each head's log-sum-exp.
+AVX2_TARGET void attend_row_avx2(const float* q, const float* k, const float* v,
+                                 const int64_t* slots, int64_t stride, int64_t len,
+                                 int64_t group, int64_t dim, float scale, float* scores,
+                                 float* out, float* lse) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* o = out + g * dim;
+    std::fill(o, o + dim, 0.0f);
+    if (len == 0) {
+      lse[g] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const float* qg = q + g * dim;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < len; ++j) {
+      scores[j] = dot_avx2(qg, k + slots[j] * stride, dim) * scale;
+      top = std::max(top, scores[j]);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < len; ++j) {
+      scores[j] = std::exp(scores[j] - top);
+      total += scores[j];
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      const float* vr = v + slots[j] * stride;
+      const __m256 w = _mm256_set1_ps(scores[j]);
+      for (int64_t i = 0; i < dim; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + i),
+                                                _mm256_loadu_ps(o + i)));
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t i = 0; i < dim; i += 8)
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+    lse[g] = top + std::log(total);
+  }
+}
+
+void attend_paged_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                       const at::Tensor& slots, const int64_t* row_of,
+                       const std::vector<int64_t>& lens, double scale, at::Tensor& out,
+                       float* lse_out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
+  const int64_t width = slots.size(1);
+  const int64_t most = *std::max_element(lens.begin(), lens.end());
+  const int64_t grain = std::max<int64_t>(
+      1, kMinWorkPerThread / std::max<int64_t>(most * group * dim, 1));
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(most, 1)));
+    std::vector<float> lse(static_cast<size_t>(group));
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t b = n / kv_heads, h = n % kv_heads;
+      const int64_t* own = sp + (row_of != nullptr ? row_of[b] : b) * width;
+      attend_row_avx2(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, own,
+                      kv_heads * dim, lens[b], group, dim, static_cast<float>(scale),
+                      scores.data(), op + (b * heads + h * group) * dim, lse.data());
+      if (lse_out != nullptr) std::copy(lse.begin(), lse.end(), lse_out + b * heads + h * group);
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& k_pool,
                                           const at::Tensor& v_pool, const at::Tensor& slots,
                                           const std::optional<at::Tensor>& rows,
@@ -559,7 +645,10 @@ std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& 
               slots.scalar_type(), " ", slots.sizes());
   TORCH_CHECK(lens.dim() == 1 && lens.numel() == batch,
               "decode_attention_paged: lens must be [B] = [", batch, "], got ", lens.sizes());
-  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "decode_attention_paged: this CPU lacks AVX-512");
+  const bool wide = __builtin_cpu_supports("avx512f");
+  TORCH_CHECK(wide || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                       q.scalar_type() == at::kFloat),
+              "decode_attention_paged: this CPU lacks AVX-512 (or AVX2 with FMA, for float32)");
   const at::Tensor sc = slots.contiguous();
   const at::Tensor lc = lens.to(at::kLong).contiguous();
   std::vector<int64_t> lv(lc.data_ptr<int64_t>(), lc.data_ptr<int64_t>() + lc.numel());
@@ -596,7 +685,9 @@ std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& 
                             : at::Tensor();
   if (batch == 0) return {out, lse};
   float* lp = want_lse ? lse.data_ptr<float>() : nullptr;
-  if (qc.scalar_type() == at::kFloat) {
+  if (!wide) {
+    attend_paged_avx2(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);
+  } else if (qc.scalar_type() == at::kFloat) {
     attend_paged<float>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);
   } else if (qc.scalar_type() == at::kBFloat16) {
     attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);

@@ -59,6 +59,13 @@ namespace {
 
 constexpr int64_t kPerLayer = 10;
 
+// Whether the CPU has AVX-512 (ArborLM's kernels, panels among them); without it, AVX2 serves a
+// step whose linears are all packed blocks, in float32.
+bool wide() {
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  return has;
+}
+
 // x [rows, in] (contiguous) times a linear's panels (+ its float32 bias) -> [rows, out].
 at::Tensor linear(const at::Tensor& x, const at::Tensor& panels,
                   const std::optional<at::Tensor>& bias, int64_t out) {
@@ -70,6 +77,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels,
 // Whether `panels` hold a linear from `in` to `out` in `dtype` (`pack_panels`' layout).
 void check_linear(const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                   at::ScalarType dtype, int64_t in, int64_t out, int64_t index) {
+  TORCH_CHECK(wide(), "decode_step: weight ", index, " is in panels, which need AVX-512");
   TORCH_CHECK(arborlm_cpu::panels_hold(panels, dtype, in, out), "decode_step: weight ", index,
               " must be the panels of a ", in, " -> ", out, " linear in ", dtype, ", got ",
               panels.scalar_type(), " ", panels.sizes());
@@ -112,11 +120,33 @@ at::Tensor apply(const Weights& w, const Linear& l, const at::Tensor& x, int64_t
   return y;
 }
 
-using arborlm_cpu::add_into;
-using arborlm_cpu::rms_norm;
-using arborlm_cpu::rotate;
-using arborlm_cpu::silu_mul;
 using arborlm_cpu::widen;
+
+// The per-row steps: the AVX-512 ones (those the eager operators share), or on a CPU with AVX2
+// but not AVX-512 (float32 only there) `row_ops.h`'s plainer ones.
+
+template <typename T>
+void add_into(const T* x, T* residual, int64_t n) {
+  wide() ? arborlm_cpu::add_into(x, residual, n) : arborlm_cpu::avx2::add_into(x, residual, n);
+}
+
+template <typename T>
+void rms_norm(const T* x, const T* w, T* out, int64_t n, float eps) {
+  wide() ? arborlm_cpu::rms_norm(x, w, out, n, eps)
+         : arborlm_cpu::avx2::rms_norm(x, w, out, n, eps);
+}
+
+template <typename T>
+void rotate(T* x, const T* cos, const T* sin, int64_t heads, int64_t dim) {
+  wide() ? arborlm_cpu::rotate(x, cos, sin, heads, dim)
+         : arborlm_cpu::avx2::rotate(x, cos, sin, heads, dim);
+}
+
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t inter) {
+  wide() ? arborlm_cpu::silu_mul(gate_up, out, inter)
+         : arborlm_cpu::avx2::silu_mul(gate_up, out, inter);
+}
 
 // fn(b) for every row b of a step, split over torch's threads when there are enough rows: the
 // per-row glue (norms, rotary, SwiGLU, key stores) of a 32-row step takes ~0.5 ms on one core,
@@ -392,9 +422,13 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
   auto records = read_packed(packed, static_cast<int64_t>(w.size()));
   in.path = std::string(quant_path);
   TORCH_CHECK(records.empty() || in.path == "portable" || in.path == "float" ||
-                  in.path == "bf16" || in.path == "vnni" || in.path == "vnni2",
-              "decode_step: quant_path must be portable, float, bf16, vnni or vnni2, got '",
-              in.path, "'");
+                  in.path == "bf16" || in.path == "vnni" || in.path == "vnni2" ||
+                  in.path == "avx2" || in.path == "avx2_int",
+              "decode_step: quant_path must be portable, avx2, avx2_int, float, bf16, vnni or "
+              "vnni2, got '", in.path, "'");
+  TORCH_CHECK(wide() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         in.dtype == at::kFloat),
+              "decode_step: this CPU lacks AVX-512 (or AVX2 with FMA, for float32)");
   auto find = [&](int64_t index) -> const Record* {
     for (const Record& r : records)
       if (r.index == index) return &r;
@@ -452,6 +486,7 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
                   in.cascade == (groups.has_value() && groups->defined()),
               "decode_step: prefix_slots, prefix_lens and groups come together");
   if (in.cascade) in.groups = {*prefix_slots, *prefix_lens, *groups};
+  TORCH_CHECK(!in.cascade || wide(), "decode_step: cascade groups need AVX-512");
   return in;
 }
 

@@ -147,6 +147,16 @@ __attribute__((target("avx512f"))) int64_t argmax_row(const float* x, int64_t n)
   return 0;  // unreachable: the maximum is one of the row's values
 }
 
+// The same rule, one element at a time (CPUs without AVX-512).
+int64_t argmax_row_scalar(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
 }  // namespace
 
 namespace arborlm_cpu {
@@ -156,14 +166,15 @@ at::Tensor argmax_rows(const at::Tensor& x) {
               "argmax_rows: float32 CPU tensors only, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
               "argmax_rows: x must be [B, V] with V > 0 and contiguous rows, got ", x.sizes());
-  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "argmax_rows: this CPU lacks AVX-512");
+  const bool wide = __builtin_cpu_supports("avx512f");
   const int64_t rows = x.size(0), n = x.size(1), row = x.stride(0);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, 4 * kMinElementsPerThread / n);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) op[b] = argmax_row(xp + b * row, n);
+    for (int64_t b = begin; b < end; ++b)
+      op[b] = wide ? argmax_row(xp + b * row, n) : argmax_row_scalar(xp + b * row, n);
   });
   return out;
 }

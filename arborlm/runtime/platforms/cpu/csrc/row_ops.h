@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -110,5 +111,101 @@ __attribute__((target("avx512f"))) void silu_mul(const T* gate_up, T* out, int64
     out[i] = T(widen(T(g / (1.0f + std::exp(-g)))) * widen(gate_up[inter + i]));
   }
 }
+
+// The same steps for CPUs with AVX2 but not AVX-512 (the fused decode step there): float32 in
+// 8-lane vectors, with the same roundings (none but the ops' own in float32) and RMSNorm's sum in
+// another order; other dtypes element by element (the step takes float32 only there).
+namespace avx2 {
+
+#define ARBORLM_AVX2 __attribute__((target("avx2,fma")))
+
+ARBORLM_AVX2 inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+template <typename T>
+ARBORLM_AVX2 void add_into(const T* x, T* residual, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(residual + i,
+                       _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(residual + i)));
+  }
+  for (; i < n; ++i) residual[i] = T(widen(x[i]) + widen(residual[i]));
+}
+
+template <typename T>
+ARBORLM_AVX2 void rms_norm(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float sum = 0.0f;
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    sum = sum8(acc);
+  }
+  for (; i < n; ++i) sum += widen(x[i]) * widen(x[i]);
+  const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 rv = _mm256_set1_ps(rstd);
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                              _mm256_mul_ps(_mm256_loadu_ps(x + i), rv)));
+  }
+  for (; i < n; ++i) {
+    const T normed = T(widen(x[i]) * rstd);
+    out[i] = T(widen(w[i]) * widen(normed));
+  }
+}
+
+template <typename T>
+ARBORLM_AVX2 void rotate(T* x, const T* cos, const T* sin, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  if constexpr (std::is_same_v<T, float>) {
+    if (half % 8 == 0) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + h * dim;
+        for (int64_t i = 0; i < half; i += 8) {
+          const __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + half + i);
+          const __m256 lo = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(sin + i)),
+                                          _mm256_mul_ps(a, _mm256_loadu_ps(cos + i)));
+          const __m256 hi = _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(sin + half + i)),
+                                          _mm256_mul_ps(b, _mm256_loadu_ps(cos + half + i)));
+          _mm256_storeu_ps(v + i, lo);
+          _mm256_storeu_ps(v + half + i, hi);
+        }
+      }
+      return;
+    }
+  }
+  std::vector<float> row(static_cast<size_t>(dim));
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = x + h * dim;
+    for (int64_t i = 0; i < dim; ++i) row[i] = widen(v[i]);
+    for (int64_t i = 0; i < dim; ++i) {
+      const float swapped = row[i < half ? i + half : i - half];
+      const T a = T(swapped * widen(sin[i]));
+      const T b = T(row[i] * widen(cos[i]));
+      v[i] = T(widen(a) + widen(b));
+    }
+  }
+}
+
+template <typename T>
+ARBORLM_AVX2 void silu_mul(const T* gate_up, T* out, int64_t inter) {
+  for (int64_t i = 0; i < inter; ++i) {
+    const float g = widen(gate_up[i]);
+    out[i] = T(widen(T(g / (1.0f + std::exp(-g)))) * widen(gate_up[inter + i]));
+  }
+}
+
+#undef ARBORLM_AVX2
+
+}  // namespace avx2
 
 }  // namespace arborlm_cpu
