@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import arborlm
-from arborlm.errors import InvalidRequestError
+from arborlm.errors import InvalidRequestError, ModelLoadError
 from arborlm.runtime.config import EngineArgs, ModelConfig
 from arborlm.runtime.models.factory import tiny_model
 from arborlm.runtime.models.registry import load_model
@@ -135,6 +135,9 @@ def test_without_its_operators_it_is_refused_naming_why(make_tiny_model, monkeyp
     with pytest.raises(InvalidRequestError, match="CPU operators are not available") as e:
         EngineArgs(model_path=str(make_tiny_model("llama")), quantization="q4_0").resolve()
     assert e.value.param == "quantization"
+    config = ModelConfig.from_path(make_tiny_model("llama"), "float32")
+    with pytest.raises(ModelLoadError, match="quantization q4_0: ArborLM's CPU operators"):
+        load_model(config, quantization="q4_0")  # not past the engine's check only
 
 
 _FRESH_ENGINE = """
