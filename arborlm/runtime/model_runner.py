@@ -123,10 +123,12 @@ class ModelRunner:
         self.decode: DecodeExecutor = choose_decode_executor(self.decode_parts)
         logger.info("decode executor: %s", type(self.decode).__name__)
         if self.device == "cpu" and not kernel_instructions(torch.float32):
-            logger.warning("this CPU lacks AVX-512: ArborLM's CPU kernels (the fused decode step, "
-                           "decode attention, deterministic inference) do not run; linears run "
-                           "on oneDNN and attention on torch, several times slower "
-                           "(docs/performance.md, 'On a CPU without AVX-512')")
+            logger.warning("this CPU lacks AVX-512: most of ArborLM's CPU kernels (panel "
+                           "linears, their fused decode step, decode attention, deterministic "
+                           "inference) do not run; float linears run on oneDNN and attention on "
+                           "torch, several times slower. With --quantization (gguf for a GGUF "
+                           "file) linears compute from packed blocks in AVX2 and decode steps run "
+                           "fused (docs/performance.md, 'On a CPU without AVX-512')")
         if tp is not None:
             tp.set_op_timeout(args.dist_timeout)  # started: from now on a stall is a failure
 

@@ -6,9 +6,9 @@ ggml's loops (`gguf_reference.py`). Output counts that are not multiples of the 
 the 4- and 6-row tiles or the 64-column tiles, one to 130 rows, inputs of one block and of
 several, an all-zero row and rows with one huge value. Every path this CPU grants:
 
-- portable (blocks dequantized, x as is), avx2 (the same blocks in 8-lane FMAs) and float with
-  float32 x (weights dequantized in registers, FMAs): the float64 product to float32 summation
-  error;
+- portable (blocks dequantized, x as is), avx2 (blocks dequantized in registers, 8-lane FMAs)
+  and float with float32 x (weights dequantized in registers, FMAs): the float64 product to
+  float32 summation error;
 - bf16, bfloat16 x on the kernel's float path (the AVX512-BF16 dot product where the CPU has
   it, weights rounded once to bfloat16): the float64 product to that rounding (2^-9 of each
   weight) and the output's; float32 x on it is the float path;
@@ -229,16 +229,14 @@ def test_avx2_int_is_vnni2_bit_for_bit(qtype):
 
 def test_the_path_is_chosen_by_rows_and_can_be_forced(monkeypatch):
     """The float path on the activations as they are ("bf16") from `FLOAT_PATH_ROWS` rows, two
-    int8 terms below (where the CPU has VNNI); without AVX-512 "avx2" from
-    `AVX2_FLOAT_PATH_ROWS` rows and "avx2_int" below; without AVX2 "portable";
+    int8 terms below (where the CPU has VNNI); without AVX-512 "avx2" from `FLOAT_PATH_ROWS`
+    rows and "avx2_int" below; without AVX2 "portable";
     int8 activations, or bfloat16 ones widened to float32, only when asked for; an unknown name
     is refused."""
     _skip_unless("portable")
     here = cpu_kernels.quant_paths()
     monkeypatch.delenv("ARBORLM_QUANT_PATH", raising=False)
-    many = cpu_kernels.quant_path(max(cpu_kernels.FLOAT_PATH_ROWS,
-                                      cpu_kernels.AVX2_FLOAT_PATH_ROWS))
-    few = cpu_kernels.quant_path(1)
+    many, few = cpu_kernels.quant_path(cpu_kernels.FLOAT_PATH_ROWS), cpu_kernels.quant_path(1)
     assert many == ("bf16" if "bf16" in here else "avx2" if "avx2" in here else "portable")
     assert ("avx2" in here) == ("avx2_int" in here) == capabilities.has_avx2_fma()
     assert few == ("vnni2" if "vnni2" in here else "bf16" if "bf16" in here

@@ -384,7 +384,7 @@ def quant_linear_available() -> bool:
 
 
 # `quant_linear`'s paths (`csrc/quant_linear.cpp`): "portable" (scalar, any x86-64), "avx2"
-# (the portable path's dequantized blocks in 8-lane FMAs: AVX2, FMA, F16C), "avx2_int"
+# (blocks dequantized in registers, 8-lane FMAs: AVX2, FMA, F16C), "avx2_int"
 # ("vnni2"'s arithmetic, and outputs, with AVX2's byte products), "float"
 # (x widened to float32 against weights dequantized in registers, FMAs: AVX-512 F/BW/VL),
 # "bf16" (the kernel's float path on bfloat16 x as it is: `vdpbf16ps` against weights rounded
@@ -394,10 +394,9 @@ def quant_linear_available() -> bool:
 # token at too few positions, tests/real_model/test_quantization_smollm2.py).
 QUANT_PATHS = ("portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni")
 # From this many rows the float path is the faster (benchmarks/quant_linear.py; figures in
-# docs/performance.md); below it, the integer path with two-term activations.
+# docs/performance.md); below it, the integer path with two-term activations. The same
+# crossover holds without AVX-512, between "avx2" and "avx2_int".
 FLOAT_PATH_ROWS = 8
-# The same crossover without AVX-512, between "avx2_int" and "avx2".
-AVX2_FLOAT_PATH_ROWS = 16
 
 
 def quant_paths() -> tuple[str, ...]:
@@ -416,7 +415,7 @@ def quant_path(rows: int = 1) -> str:
     """The path `quant_linear` runs for `rows` rows of x: `$ARBORLM_QUANT_PATH` where set (one
     of `QUANT_PATHS`; "float" and "vnni" are only ever chosen this way), else "bf16" from
     `FLOAT_PATH_ROWS` rows and "vnni2" below, each where the CPU grants it, else "bf16"; without
-    AVX-512 "avx2" from `AVX2_FLOAT_PATH_ROWS` rows and "avx2_int" below; else "portable"."""
+    AVX-512 "avx2" from `FLOAT_PATH_ROWS` rows and "avx2_int" below; else "portable"."""
     forced = os.environ.get("ARBORLM_QUANT_PATH", "")
     if forced:
         if forced not in QUANT_PATHS:
@@ -428,7 +427,7 @@ def quant_path(rows: int = 1) -> str:
     if "bf16" in here:
         return "bf16"
     if "avx2" in here:
-        return "avx2_int" if rows < AVX2_FLOAT_PATH_ROWS else "avx2"
+        return "avx2_int" if rows < FLOAT_PATH_ROWS else "avx2"
     return "portable"
 
 
@@ -437,7 +436,7 @@ def batch_invariant_quant_path() -> str:
     where set, else "bf16" (float activations, the default from `FLOAT_PATH_ROWS` rows: prefill
     and batches stay fast, and one row loses a little against "vnni2"), else "avx2" (the same
     choice without AVX-512), else "portable"."""
-    return quant_path(max(FLOAT_PATH_ROWS, AVX2_FLOAT_PATH_ROWS))
+    return quant_path(FLOAT_PATH_ROWS)
 
 
 def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,

@@ -4,8 +4,8 @@ The weight is a GGUF tensor's rows as the file stores them (`[out, row bytes]` u
 Q4_0/1, Q5_0/1, Q4_K, Q5_K or Q6_K), and every call runs `cpu_kernels.quant_linear` on them,
 on the path `cpu_kernels.quant_path` chooses for the call's number of rows (weights dequantized
 in registers against float activations from 8 rows, AVX512-VNNI dot products on activations
-in two int8 terms below that; without AVX-512 the same two ways on AVX2, the crossover at 16
-rows; a portable path on CPUs without AVX2). `quantize_linears`
+in two int8 terms below that; without AVX-512 the same two ways on AVX2; a portable path on CPUs
+without AVX2). `quantize_linears`
 turns a float model's `nn.Linear`s into `QuantLinear`s by quantizing their weights with the
 `gguf` package's own quantizers (the 32-value types it writes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 

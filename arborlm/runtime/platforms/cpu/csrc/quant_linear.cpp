@@ -25,8 +25,8 @@
 //   values up with `vpermw`), and runs up to 6 rows of x over them in register tiles of
 //   `vfmadd` or `vdpbf16ps` (products exact, float32 sums). Needs AVX-512 F/BW/VL, not VNNI.
 // - "avx2", for CPUs with AVX2, FMA and F16C but not AVX-512 (AMD Zen 2/3, most Intel client
-//   cores): four weight rows dequantized to float32 as "portable" does, then dotted with x in
-//   8-lane FMAs, two rows of x at a time.
+//   cores): four weight rows dequantized in registers to float32 (scale * q + minimum, one
+//   rounding, as "float"), then dotted with x in 8-lane FMAs, two rows of x at a time.
 // - "avx2_int", for the same CPUs: "vnni2" with AVX2's byte products (`vpmaddubsw`, then
 //   `vpmaddwd` against ones) in place of `vpdpbusd`, the same outputs bit for bit.
 // - "portable", for CPUs without those instructions: each 32-value block dequantized to
@@ -179,7 +179,7 @@ void portable(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
   });
 }
 
-// ---- the AVX2 path ---------------------------------------------------------------------------
+// ---- AVX2 helpers (the AVX2 paths are after the unpacking they share) ---------------------
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
@@ -188,83 +188,6 @@ AVX2_TARGET inline float sum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-// Outputs [begin, end) of "avx2": four weight rows at a time dequantized to float32 (the same
-// values as "portable"), then each row of x dotted with all four, two rows of x at a time (eight
-// accumulators in flight). Each output's sum runs over 8-value chunks in order into one vector,
-// reduced once: the same sum whichever rows share the call.
-AVX2_TARGET void avx2_columns(int64_t qtype, const float* x, int64_t rows, int64_t in,
-                              const uint8_t* w, int64_t row_bytes, int64_t out,
-                              const float* bias, float* y, int64_t begin, int64_t end) {
-  const int64_t blocks = in / 32;
-  std::vector<float> deq(4 * in);
-  for (int64_t j0 = begin; j0 < end; j0 += 4) {
-    const int64_t cols = std::min<int64_t>(4, end - j0);
-    for (int64_t c = 0; c < 4; ++c) {
-      float* d = deq.data() + c * in;
-      if (c < cols) {
-        const uint8_t* row = w + (j0 + c) * row_bytes;
-        for (int64_t b = 0; b < blocks; ++b) dequant_block(qtype, row, b, d + 32 * b);
-      } else {
-        std::fill(d, d + in, 0.0f);
-      }
-    }
-    const float* d0 = deq.data();
-    const float* d1 = d0 + in;
-    const float* d2 = d1 + in;
-    const float* d3 = d2 + in;
-    int64_t t = 0;
-    for (; t + 2 <= rows; t += 2) {
-      const float* xa = x + t * in;
-      const float* xb = xa + in;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int64_t i = 0; i < in; i += 8) {
-        const __m256 w0 = _mm256_loadu_ps(d0 + i), w1 = _mm256_loadu_ps(d1 + i);
-        const __m256 w2 = _mm256_loadu_ps(d2 + i), w3 = _mm256_loadu_ps(d3 + i);
-        const __m256 va = _mm256_loadu_ps(xa + i), vb = _mm256_loadu_ps(xb + i);
-        a0 = _mm256_fmadd_ps(w0, va, a0);
-        a1 = _mm256_fmadd_ps(w1, va, a1);
-        a2 = _mm256_fmadd_ps(w2, va, a2);
-        a3 = _mm256_fmadd_ps(w3, va, a3);
-        b0 = _mm256_fmadd_ps(w0, vb, b0);
-        b1 = _mm256_fmadd_ps(w1, vb, b1);
-        b2 = _mm256_fmadd_ps(w2, vb, b2);
-        b3 = _mm256_fmadd_ps(w3, vb, b3);
-      }
-      const __m256 sums[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
-      for (int r = 0; r < 2; ++r) {
-        for (int64_t c = 0; c < cols; ++c) {
-          y[(t + r) * out + j0 + c] = sum8(sums[r][c]) + (bias ? bias[j0 + c] : 0.0f);
-        }
-      }
-    }
-    for (; t < rows; ++t) {
-      const float* xa = x + t * in;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < in; i += 8) {
-        const __m256 va = _mm256_loadu_ps(xa + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(d0 + i), va, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(d1 + i), va, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(d2 + i), va, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(d3 + i), va, a3);
-      }
-      const __m256 sums[4] = {a0, a1, a2, a3};
-      for (int64_t c = 0; c < cols; ++c) {
-        y[t * out + j0 + c] = sum8(sums[c]) + (bias ? bias[j0 + c] : 0.0f);
-      }
-    }
-  }
-}
-
-void avx2(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
-          int64_t row_bytes, int64_t out, const float* bias, float* y) {
-  // Grains of 16 outputs (four tiles of four), as "portable".
-  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    avx2_columns(qtype, x, rows, in, w, row_bytes, out, bias, y, 16 * begin,
-                 std::min(out, 16 * end));
-  });
 }
 
 // ---- the VNNI path ---------------------------------------------------------------------------
@@ -464,6 +387,120 @@ VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_
 
 constexpr int kMaxRows = 4;       // rows sharing each unpacked weight block
 constexpr int64_t kColTile = 64;  // columns whose weight rows stay cached while all rows pass
+
+// ---- the AVX2 float path --------------------------------------------------------------------
+
+// Weight block b of a row as 32 float32 values, scale * q + minimum with one rounding (as the
+// AVX-512 float path), unpacked in registers by `unpack`.
+template <int QT>
+AVX2_TARGET inline void dequant_avx2(const uint8_t* row, int64_t b, float* y) {
+  const Unpacked u = unpack<QT>(row, b);
+  // u.scale's lanes 0-3 cover values 0-15, lanes 4-7 values 16-31 (they differ for Q6_K).
+  const __m256 lo_scale = _mm256_permutevar8x32_ps(u.scale, _mm256_setzero_si256());
+  const __m256 hi_scale = _mm256_permutevar8x32_ps(u.scale, _mm256_set1_epi32(4));
+  const __m256 minimum = _mm256_set1_ps(u.min_coef);  // zero for the signed types
+  const __m128i halves[2] = {_mm256_castsi256_si128(u.q), _mm256_extracti128_si256(u.q, 1)};
+  for (int c = 0; c < 4; ++c) {
+    const __m128i eight = c % 2 ? _mm_srli_si128(halves[c / 2], 8) : halves[c / 2];
+    const __m256i q = is_signed(QT) ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+    _mm256_storeu_ps(y + 8 * c, _mm256_fmadd_ps(c < 2 ? lo_scale : hi_scale,
+                                                _mm256_cvtepi32_ps(q), minimum));
+  }
+}
+
+// Outputs [begin, end) of "avx2": four weight rows at a time dequantized to float32 in
+// registers (`dequant_avx2`), then each row of x dotted with all four, two rows of x at a time
+// (eight accumulators in flight). Each output's sum runs over 8-value chunks in order into one
+// vector, reduced once: the same sum whichever rows share the call.
+template <int QT>
+AVX2_TARGET void avx2_columns(const float* x, int64_t rows, int64_t in, const uint8_t* w,
+                              int64_t row_bytes, int64_t out, const float* bias, float* y,
+                              int64_t begin, int64_t end) {
+  const int64_t blocks = in / 32;
+  std::vector<float> deq(4 * in);
+  for (int64_t j0 = begin; j0 < end; j0 += 4) {
+    const int64_t cols = std::min<int64_t>(4, end - j0);
+    for (int64_t c = 0; c < 4; ++c) {
+      float* d = deq.data() + c * in;
+      if (c < cols) {
+        const uint8_t* row = w + (j0 + c) * row_bytes;
+        for (int64_t b = 0; b < blocks; ++b) dequant_avx2<QT>(row, b, d + 32 * b);
+      } else {
+        std::fill(d, d + in, 0.0f);
+      }
+    }
+    const float* d0 = deq.data();
+    const float* d1 = d0 + in;
+    const float* d2 = d1 + in;
+    const float* d3 = d2 + in;
+    int64_t t = 0;
+    for (; t + 2 <= rows; t += 2) {
+      const float* xa = x + t * in;
+      const float* xb = xa + in;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int64_t i = 0; i < in; i += 8) {
+        const __m256 w0 = _mm256_loadu_ps(d0 + i), w1 = _mm256_loadu_ps(d1 + i);
+        const __m256 w2 = _mm256_loadu_ps(d2 + i), w3 = _mm256_loadu_ps(d3 + i);
+        const __m256 va = _mm256_loadu_ps(xa + i), vb = _mm256_loadu_ps(xb + i);
+        a0 = _mm256_fmadd_ps(w0, va, a0);
+        a1 = _mm256_fmadd_ps(w1, va, a1);
+        a2 = _mm256_fmadd_ps(w2, va, a2);
+        a3 = _mm256_fmadd_ps(w3, va, a3);
+        b0 = _mm256_fmadd_ps(w0, vb, b0);
+        b1 = _mm256_fmadd_ps(w1, vb, b1);
+        b2 = _mm256_fmadd_ps(w2, vb, b2);
+        b3 = _mm256_fmadd_ps(w3, vb, b3);
+      }
+      const __m256 sums[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+      for (int r = 0; r < 2; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          y[(t + r) * out + j0 + c] = sum8(sums[r][c]) + (bias ? bias[j0 + c] : 0.0f);
+        }
+      }
+    }
+    for (; t < rows; ++t) {
+      const float* xa = x + t * in;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < in; i += 8) {
+        const __m256 va = _mm256_loadu_ps(xa + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(d0 + i), va, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(d1 + i), va, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(d2 + i), va, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(d3 + i), va, a3);
+      }
+      const __m256 sums[4] = {a0, a1, a2, a3};
+      for (int64_t c = 0; c < cols; ++c) {
+        y[t * out + j0 + c] = sum8(sums[c]) + (bias ? bias[j0 + c] : 0.0f);
+      }
+    }
+  }
+}
+
+template <int QT>
+void avx2_linear(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
+                 int64_t out, const float* bias, float* y) {
+  // Grains of 16 outputs (four tiles of four), as "portable".
+  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    avx2_columns<QT>(x, rows, in, w, row_bytes, out, bias, y, 16 * begin,
+                     std::min(out, 16 * end));
+  });
+}
+
+void avx2(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
+          int64_t row_bytes, int64_t out, const float* bias, float* y) {
+  switch (qtype) {
+    case Q8_0: return avx2_linear<Q8_0>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q4_0: return avx2_linear<Q4_0>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q4_1: return avx2_linear<Q4_1>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q5_0: return avx2_linear<Q5_0>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q5_1: return avx2_linear<Q5_1>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q4_K: return avx2_linear<Q4_K>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q5_K: return avx2_linear<Q5_K>(x, rows, in, w, row_bytes, out, bias, y);
+    case Q6_K: return avx2_linear<Q6_K>(x, rows, in, w, row_bytes, out, bias, y);
+    default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
+  }
+}
 
 // ---- the AVX2 integer path -------------------------------------------------------------------
 //
