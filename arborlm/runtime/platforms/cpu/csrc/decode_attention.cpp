@@ -456,84 +456,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 }
 
 
-// Rows b of q attend to pool rows slots[row_of[b], :lens[b]] (row_of null: slots[b, ...]).
-template <typename T>
-void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                  const at::Tensor& slots, const int64_t* row_of,
-                  const std::vector<int64_t>& lens, double scale, at::Tensor& out,
-                  float* lse_out) {
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
-  const int64_t width = slots.size(1);
-  const int64_t most = *std::max_element(lens.begin(), lens.end());
-  const int64_t grain = std::max<int64_t>(
-      1, kMinWorkPerThread / std::max<int64_t>(most * group * dim, 1));
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const RowFn row = pick_row<T>(group, dim);
-  const TokensFn tokens =
-      row_of != nullptr && lse_out == nullptr ? pick_tokens<T>(dim) : nullptr;
-  if (tokens != nullptr) {
-    // Runs of up to kTokensPerCall consecutive tokens of one sequence (one slot row, lengths
-    // one apart), each run and KV head one work item; fewer per run at long lengths, so that a
-    // thread's scores stay within kScoreBytes.
-    const int64_t per_run = std::clamp<int64_t>(
-        kScoreBytes / static_cast<int64_t>(sizeof(float) * group * std::max<int64_t>(most, 1)),
-        1, kTokensPerCall);
-    std::vector<int64_t> runs;  // first token of each run, then batch
-    for (int64_t b = 0; b < batch; ++b)
-      if (runs.empty() || b - runs.back() == per_run || row_of[b] != row_of[b - 1] ||
-          lens[b] != lens[b - 1] + 1)
-        runs.push_back(b);
-    const int64_t nruns = static_cast<int64_t>(runs.size());
-    runs.push_back(batch);
-    const int64_t run_grain = std::max<int64_t>(
-        1, kMinWorkPerThread / std::max<int64_t>(per_run * most * group * dim, 1));
-    at::parallel_for(0, nruns * kv_heads, run_grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(static_cast<size_t>(per_run * group * most));
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t r = n / kv_heads, h = n % kv_heads, b = runs[r];
-        tokens(qp + (b * heads + h * group) * dim, heads * dim, runs[r + 1] - b, group,
-               lens.data() + b, kp + h * dim, vp + h * dim, sp + row_of[b] * width,
-               kv_heads * dim, static_cast<float>(scale), scores.data(),
-               op + (b * heads + h * group) * dim, heads * dim);
-      }
-    });
-    return;
-  }
-  // Rows n = b * Hkv + h: request b's KV head h; key j at pool row slots[b, j], head h.
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
-    std::vector<float> lse(static_cast<size_t>(group));
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t b = n / kv_heads, h = n % kv_heads;
-      NextRows next;  // head h's share of request b+1's keys (see `NextRows`); queries of
-      // one sequence (row_of) share their keys, which are in cache already
-      if (b + 1 < batch && row_of == nullptr) {
-        const int64_t share = (lens[b + 1] + kv_heads - 1) / kv_heads;
-        const int64_t first = std::min(h * share, lens[b + 1]);
-        next = {reinterpret_cast<const char*>(kp), reinterpret_cast<const char*>(vp),
-                sp + (b + 1) * width + first, std::min(share, lens[b + 1] - first),
-                static_cast<int64_t>(kv_heads * dim * sizeof(T))};
-      }
-      const int64_t* own = sp + (row_of != nullptr ? row_of[b] : b) * width;
-      row(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, own,
-          kv_heads * dim, lens[b], group, dim, static_cast<float>(scale), scores.data(),
-          op + (b * heads + h * group) * dim, lse.data(), next);
-      if (lse_out != nullptr) std::copy(lse.begin(), lse.end(), lse_out + b * heads + h * group);
-    }
-  });
-}
-
 // ---- CPUs with AVX2 but not AVX-512 (float32 only) -------------------------------------------
 //
-// The same result per row, computed more plainly: each query's scores in 8-lane dot products,
-// its softmax with the library's exp, the weighted values summed in an L1-resident row. Serves
-// the fused decode step on such CPUs (`decode_step.cpp`); sums run in other orders than the
-// AVX-512 rows', so results agree to float32 rounding, not bit for bit.
+// `attend_row`'s result computed more plainly: each query's scores in 8-lane dot products, its
+// softmax with the library's exp, the weighted values summed in an L1-resident row. Serves the
+// fused decode step on such CPUs (`decode_step.cpp`); sums run in other orders than the AVX-512
+// rows', so results agree to float32 rounding, not bit for bit.
 
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 
@@ -584,30 +512,82 @@ AVX2_TARGET void attend_row_avx2(const float* q, const float* k, const float* v,
   }
 }
 
-void attend_paged_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                       const at::Tensor& slots, const int64_t* row_of,
-                       const std::vector<int64_t>& lens, double scale, at::Tensor& out,
-                       float* lse_out) {
+void row_entry_avx2(const void* q, const void* k, const void* v, const int64_t* slots,
+                    int64_t stride, int64_t len, int64_t group, int64_t dim, float scale,
+                    float* scores, void* out, float* lse, const NextRows&) {
+  attend_row_avx2(static_cast<const float*>(q), static_cast<const float*>(k),
+                  static_cast<const float*>(v), slots, stride, len, group, dim, scale, scores,
+                  static_cast<float*>(out), lse);
+}
+
+// Rows b of q attend to pool rows slots[row_of[b], :lens[b]] (row_of null: slots[b, ...]),
+// with the AVX-512 rows where `wide`, else the AVX2 ones (float32).
+template <typename T>
+void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                  const at::Tensor& slots, const int64_t* row_of,
+                  const std::vector<int64_t>& lens, double scale, at::Tensor& out,
+                  float* lse_out, bool wide) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
   const int64_t width = slots.size(1);
   const int64_t most = *std::max_element(lens.begin(), lens.end());
   const int64_t grain = std::max<int64_t>(
       1, kMinWorkPerThread / std::max<int64_t>(most * group * dim, 1));
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  const RowFn row = wide ? pick_row<T>(group, dim) : &row_entry_avx2;
+  const TokensFn tokens =
+      wide && row_of != nullptr && lse_out == nullptr ? pick_tokens<T>(dim) : nullptr;
+  if (tokens != nullptr) {
+    // Runs of up to kTokensPerCall consecutive tokens of one sequence (one slot row, lengths
+    // one apart), each run and KV head one work item; fewer per run at long lengths, so that a
+    // thread's scores stay within kScoreBytes.
+    const int64_t per_run = std::clamp<int64_t>(
+        kScoreBytes / static_cast<int64_t>(sizeof(float) * group * std::max<int64_t>(most, 1)),
+        1, kTokensPerCall);
+    std::vector<int64_t> runs;  // first token of each run, then batch
+    for (int64_t b = 0; b < batch; ++b)
+      if (runs.empty() || b - runs.back() == per_run || row_of[b] != row_of[b - 1] ||
+          lens[b] != lens[b - 1] + 1)
+        runs.push_back(b);
+    const int64_t nruns = static_cast<int64_t>(runs.size());
+    runs.push_back(batch);
+    const int64_t run_grain = std::max<int64_t>(
+        1, kMinWorkPerThread / std::max<int64_t>(per_run * most * group * dim, 1));
+    at::parallel_for(0, nruns * kv_heads, run_grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(static_cast<size_t>(per_run * group * most));
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t r = n / kv_heads, h = n % kv_heads, b = runs[r];
+        tokens(qp + (b * heads + h * group) * dim, heads * dim, runs[r + 1] - b, group,
+               lens.data() + b, kp + h * dim, vp + h * dim, sp + row_of[b] * width,
+               kv_heads * dim, static_cast<float>(scale), scores.data(),
+               op + (b * heads + h * group) * dim, heads * dim);
+      }
+    });
+    return;
+  }
+  // Rows n = b * Hkv + h: request b's KV head h; key j at pool row slots[b, j], head h.
   at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(most, 1)));
+    std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
     std::vector<float> lse(static_cast<size_t>(group));
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / kv_heads, h = n % kv_heads;
+      NextRows next;  // head h's share of request b+1's keys (see `NextRows`); queries of
+      // one sequence (row_of) share their keys, which are in cache already
+      if (b + 1 < batch && row_of == nullptr) {
+        const int64_t share = (lens[b + 1] + kv_heads - 1) / kv_heads;
+        const int64_t first = std::min(h * share, lens[b + 1]);
+        next = {reinterpret_cast<const char*>(kp), reinterpret_cast<const char*>(vp),
+                sp + (b + 1) * width + first, std::min(share, lens[b + 1] - first),
+                static_cast<int64_t>(kv_heads * dim * sizeof(T))};
+      }
       const int64_t* own = sp + (row_of != nullptr ? row_of[b] : b) * width;
-      attend_row_avx2(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, own,
-                      kv_heads * dim, lens[b], group, dim, static_cast<float>(scale),
-                      scores.data(), op + (b * heads + h * group) * dim, lse.data());
+      row(qp + (b * heads + h * group) * dim, kp + h * dim, vp + h * dim, own,
+          kv_heads * dim, lens[b], group, dim, static_cast<float>(scale), scores.data(),
+          op + (b * heads + h * group) * dim, lse.data(), next);
       if (lse_out != nullptr) std::copy(lse.begin(), lse.end(), lse_out + b * heads + h * group);
     }
   });
@@ -685,12 +665,10 @@ std::tuple<at::Tensor, at::Tensor> paged(const at::Tensor& q, const at::Tensor& 
                             : at::Tensor();
   if (batch == 0) return {out, lse};
   float* lp = want_lse ? lse.data_ptr<float>() : nullptr;
-  if (!wide) {
-    attend_paged_avx2(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);
-  } else if (qc.scalar_type() == at::kFloat) {
-    attend_paged<float>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);
+  if (qc.scalar_type() == at::kFloat) {
+    attend_paged<float>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp, wide);
   } else if (qc.scalar_type() == at::kBFloat16) {
-    attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp);
+    attend_paged<c10::BFloat16>(qc, k_pool, v_pool, sc, row_of, lv, scale, out, lp, wide);
   } else {
     TORCH_CHECK(false, "decode_attention_paged: float32 or bfloat16 only, got ",
                 qc.scalar_type());

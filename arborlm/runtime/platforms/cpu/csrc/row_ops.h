@@ -63,6 +63,23 @@ __attribute__((target("avx512f"))) void rms_norm(const T* x, const T* w, T* out,
   }
 }
 
+// `rotate` element by element (head dims whose halves are not whole vectors).
+template <typename T>
+void rotate_scalar(T* x, const T* cos, const T* sin, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  std::vector<float> row(static_cast<size_t>(dim));
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = x + h * dim;
+    for (int64_t i = 0; i < dim; ++i) row[i] = widen(v[i]);
+    for (int64_t i = 0; i < dim; ++i) {
+      const float swapped = row[i < half ? i + half : i - half];
+      const T a = T(swapped * widen(sin[i]));
+      const T b = T(row[i] * widen(cos[i]));
+      v[i] = T(widen(a) + widen(b));
+    }
+  }
+}
+
 // Heads [heads, dim] rotated in place: round(round(swapped * sin) + round(x * cos)), where
 // swapped = [x2, x1] and sin is the signed table (-sin | sin), as `apply_rotary`.
 template <typename T>
@@ -84,17 +101,7 @@ __attribute__((target("avx512f"))) void rotate(T* x, const T* cos, const T* sin,
     }
     return;
   }
-  std::vector<float> row(static_cast<size_t>(dim));
-  for (int64_t h = 0; h < heads; ++h) {
-    T* v = x + h * dim;
-    for (int64_t i = 0; i < dim; ++i) row[i] = widen(v[i]);
-    for (int64_t i = 0; i < dim; ++i) {
-      const float swapped = row[i < half ? i + half : i - half];
-      const T a = T(swapped * widen(sin[i]));
-      const T b = T(row[i] * widen(cos[i]));
-      v[i] = T(widen(a) + widen(b));
-    }
-  }
+  rotate_scalar(x, cos, sin, heads, dim);
 }
 
 // silu(gate) rounded, times up, rounded: [I] from gate_up [2I], with the vectorized exp the
@@ -183,17 +190,7 @@ ARBORLM_AVX2 void rotate(T* x, const T* cos, const T* sin, int64_t heads, int64_
       return;
     }
   }
-  std::vector<float> row(static_cast<size_t>(dim));
-  for (int64_t h = 0; h < heads; ++h) {
-    T* v = x + h * dim;
-    for (int64_t i = 0; i < dim; ++i) row[i] = widen(v[i]);
-    for (int64_t i = 0; i < dim; ++i) {
-      const float swapped = row[i < half ? i + half : i - half];
-      const T a = T(swapped * widen(sin[i]));
-      const T b = T(row[i] * widen(cos[i]));
-      v[i] = T(widen(a) + widen(b));
-    }
-  }
+  rotate_scalar(x, cos, sin, heads, dim);
 }
 
 template <typename T>
