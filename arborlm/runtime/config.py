@@ -383,8 +383,7 @@ class EngineArgs:
             from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 
             if not cpu_kernels.quant_linear_available():  # builds them: nothing else may have
-                reasons.append("ArborLM's CPU operators are not available here (they need an "
-                               "x86-64 CPU and a C++ compiler, and ARBORLM_CPU_KERNELS not 0)")
+                reasons.append(cpu_kernels.OPERATORS_MISSING)
         if reasons:
             raise InvalidRequestError(f"quantization {value} cannot apply: " + "; ".join(reasons),
                                       "quantization")

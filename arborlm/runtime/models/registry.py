@@ -51,9 +51,7 @@ def load_model(config: ModelConfig, device: str = "cpu", tp: TPGroup | None = No
         from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 
         if not cpu_kernels.quant_linear_available():  # loads them: the modules call them
-            raise ModelLoadError(f"quantization {quantization}: ArborLM's CPU operators are not "
-                                 f"available here (an x86-64 CPU and a C++ compiler, and "
-                                 f"ARBORLM_CPU_KERNELS not 0)")
+            raise ModelLoadError(f"quantization {quantization}: {cpu_kernels.OPERATORS_MISSING}")
     with torch.device(device):
         model = cls(config) if tp is None else cls(config, tp)
     if quantization is not None and tp is not None:

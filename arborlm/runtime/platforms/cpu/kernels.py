@@ -377,6 +377,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     return torch.ops.arborlm.panel_linear(x, panels, out_features, bias)
 
 
+# Why packed weights (`--quantization`) cannot run where `quant_linear_available()` is false.
+OPERATORS_MISSING = ("ArborLM's CPU operators are not available here (they need an x86-64 CPU "
+                     "and a C++ compiler, and ARBORLM_CPU_KERNELS not 0)")
+
+
 def quant_linear_available() -> bool:
     """Whether `quant_linear` runs here (the operators built: an x86-64 C++ compiler); its
     portable path needs no AVX-512."""

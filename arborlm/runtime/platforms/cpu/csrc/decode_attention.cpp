@@ -469,9 +469,7 @@ AVX2_TARGET inline float dot_avx2(const float* a, const float* b, int64_t dim) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t i = 0; i < dim; i += 8)
     acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+  return arborlm_cpu::sum8(acc);
 }
 
 // Query heads q [group, dim] over keys/values at rows slots[j] (j < len) of k and v (row

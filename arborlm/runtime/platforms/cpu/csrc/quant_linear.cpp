@@ -57,6 +57,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
@@ -183,12 +185,7 @@ void portable(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-// Horizontal sum of 8 lanes in a fixed order.
-AVX2_TARGET inline float sum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+using arborlm_cpu::sum8;
 
 // ---- the VNNI path ---------------------------------------------------------------------------
 
@@ -377,10 +374,7 @@ VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_
       }
     }
     for (int m = 0; m < MR; ++m) {
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      const float sum = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-      y[(t0 + m) * ldy + j] = sum + mins[m] + (bias ? bias[j] : 0.0f);
+      y[(t0 + m) * ldy + j] = sum8(acc[m]) + mins[m] + (bias ? bias[j] : 0.0f);
     }
   }
 }
@@ -653,9 +647,9 @@ void int_path(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
   std::vector<int8_t> q2(SPLIT ? rows * in : 0);
   int8_t* q2p = SPLIT ? q2.data() : nullptr;
   // Rows are contiguous and `in` a multiple of 32: block i is x[32 i .. 32 i + 32).
+  auto* quantize = AVX2 ? &quantize_block_avx2 : &quantize_block;
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      auto* quantize = AVX2 ? &quantize_block_avx2 : &quantize_block;
       quantize(x + i * 32, q.data() + i * 32, q2p ? q2p + i * 32 : nullptr, &d[i], &s[i]);
     }
   });

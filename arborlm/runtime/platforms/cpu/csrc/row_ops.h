@@ -126,12 +126,6 @@ namespace avx2 {
 
 #define ARBORLM_AVX2 __attribute__((target("avx2,fma")))
 
-ARBORLM_AVX2 inline float sum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-
 template <typename T>
 ARBORLM_AVX2 void add_into(const T* x, T* residual, int64_t n) {
   int64_t i = 0;

@@ -1,5 +1,6 @@
 // Vector math shared by ArborLM's CPU kernels (AVX-512, per-function target attributes):
-// tail masks, widening loads and stores, rounding to bfloat16, exp and silu.
+// tail masks, widening loads and stores, rounding to bfloat16, exp and silu; and AVX2's
+// horizontal sum.
 
 #pragma once
 
@@ -89,6 +90,14 @@ __attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512* a) {
 __attribute__((target("avx512f"))) inline __m512 silu16(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                         exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+// The 8 lanes of v summed in one fixed order (the halves, then pairs, then the last two): AVX2
+// kernels' horizontal sum, so an output is summed the same way whichever kernel forms it.
+__attribute__((target("avx2"))) inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
 }  // namespace arborlm_cpu
