@@ -162,10 +162,11 @@ def _check_bias(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, values: np
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1],
                          ids=lambda t: t.name)
-def test_one_and_three_block_rows(qtype, path):
-    """Inputs of 32 and 96 values (fewer than a vector of blocks), ordinary scales."""
+def test_block_counts_that_are_not_a_multiple_of_four(qtype, path):
+    """Inputs of 1, 3, 5 and 18 blocks (32 to 576 values), ordinary scales: fewer blocks than
+    a vector or group of them, and whole groups of four with a part group after."""
     _skip_unless(path)
-    for inp in (32, 96):
+    for inp in (32, 96, 160, 576):
         w, values, magnitude = _weight(qtype, 9, inp, seed=inp, scales=PLAIN_SCALES)
         x = _x(5, inp, seed=inp)
         _check(cpu_kernels.quant_linear(x, w, int(qtype), path=path), x, values, magnitude,

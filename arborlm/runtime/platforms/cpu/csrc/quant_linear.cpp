@@ -618,24 +618,256 @@ inline void int_tile(const Activations& a, int64_t t0, const uint8_t* w, int64_t
   }
 }
 
-template <int QT, bool SPLIT, bool AVX2>
-void int_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
-                int64_t out, const float* bias, float* y) {
+// Columns in tiles of `kColTile` across threads; in each, rows `kMaxRows` at a time:
+// tile(std::integral_constant<int, MR>, t0, j0, j1).
+template <typename Tile>
+void over_tiles(int64_t rows, int64_t out, const Tile& tile) {
   const int64_t tiles = (out + kColTile - 1) / kColTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t j0 = c * kColTile, j1 = std::min(out, j0 + kColTile);
       for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {
         switch (std::min<int64_t>(kMaxRows, rows - t0)) {
-          case 4: int_tile<QT, 4, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          case 3: int_tile<QT, 3, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          case 2: int_tile<QT, 2, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
-          default: int_tile<QT, 1, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out); break;
+          case 4: tile(std::integral_constant<int, 4>{}, t0, j0, j1); break;
+          case 3: tile(std::integral_constant<int, 3>{}, t0, j0, j1); break;
+          case 2: tile(std::integral_constant<int, 2>{}, t0, j0, j1); break;
+          default: tile(std::integral_constant<int, 1>{}, t0, j0, j1); break;
         }
       }
     }
   });
 }
+
+template <int QT, bool SPLIT, bool AVX2>
+void int_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
+                int64_t out, const float* bias, float* y) {
+  over_tiles(rows, out, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
+    int_tile<QT, decltype(mr)::value, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out);
+  });
+}
+
+// ---- "vnni" and "vnni2" four blocks at a time (32-value block types, AVX512-VBMI) -----------
+//
+// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 where the CPU also has AVX512-VBMI: a group of four weight
+// blocks (128 values) is unpacked into two 512-bit vectors of unsigned bytes, the blocks' first
+// 16 values in one and their last 16 in the other, and meets x, laid out to match (`WideActs`),
+// in two 512-bit `vpdpbusd` per term: each int32 lane sums 8 products of one block. Signed types
+// go in with their offset (Q8_0: +128, Q4_0: +8, Q5_0: +16: the nibbles as stored), which is
+// taken off exactly in int32 by starting each lane at -offset * (the sum of its x quants);
+// minimums (Q4_1, Q5_1) go through s as in `tile`. Per group and row: one conversion, one FMA
+// (two with a minimum) on 16 lanes, where `tile` spends that on every block. Groups past the
+// last whole one are read from a zero-padded copy, and each output is one sum in a fixed order
+// for any number of rows.
+
+#define VBMI_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")))
+
+constexpr bool wide_type(int64_t qt) {
+  return qt == Q8_0 || qt == Q4_0 || qt == Q4_1 || qt == Q5_0 || qt == Q5_1;
+}
+template <int QT> constexpr int kBlockBytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : QT == Q5_0 ? 22
+                                              : QT == Q5_1 ? 24 : 34;
+// The unsigned quants as stored are the signed value plus this.
+constexpr int offset_of(int64_t qt) {
+  return qt == Q8_0 ? 128 : qt == Q4_0 ? 8 : qt == Q5_0 ? 16 : 0;
+}
+constexpr bool has_minimum(int64_t qt) { return qt == Q4_1 || qt == Q5_1; }
+
+// x in groups of four blocks, per row and group: quants (and the second term's) as
+// [block 0..3 values 0..15, block 0..3 values 16..31]; each lane's start, -offset * (sum of
+// its 8 quants); each lane's x scale d (/ 256 with a second term); each block's s in its
+// first lane (0 in the other three). Blocks past the row's last are zero throughout.
+struct WideActs {
+  std::vector<int8_t> q, q2;
+  std::vector<int32_t> start, start2;
+  std::vector<float> d, s;
+  int64_t groups;
+};
+
+WideActs wide_acts(const Activations& a, int64_t rows, int64_t qtype) {
+  WideActs w;
+  const bool split = a.q2 != nullptr;
+  const int offset = offset_of(qtype);
+  w.groups = (a.blocks + 3) / 4;
+  const int64_t n = rows * w.groups;
+  w.q.assign(n * 128, 0);
+  w.start.assign(n * 16, 0);
+  if (split) {
+    w.q2.assign(n * 128, 0);
+    w.start2.assign(n * 16, 0);
+  }
+  w.d.assign(n * 16, 0.0f);
+  w.s.assign(n * 16, 0.0f);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / w.groups, g = i % w.groups;
+      for (int k = 0; k < 4 && 4 * g + k < a.blocks; ++k) {
+        const int64_t at = t * a.blocks + 4 * g + k;
+        for (int term = 0; term < (split ? 2 : 1); ++term) {
+          const int8_t* src = (term ? a.q2 : a.q) + at * 32;
+          int8_t* dst = (term ? w.q2 : w.q).data() + i * 128 + 16 * k;
+          std::memcpy(dst, src, 16);
+          std::memcpy(dst + 64, src + 16, 16);
+          int32_t* start = (term ? w.start2 : w.start).data() + i * 16 + 4 * k;
+          for (int l = 0; l < 4; ++l) {
+            int32_t sum = 0;
+            for (int e = 0; e < 4; ++e) sum += dst[4 * l + e] + dst[64 + 4 * l + e];
+            start[l] = -offset * sum;
+          }
+        }
+        for (int l = 0; l < 4; ++l) w.d[i * 16 + 4 * k + l] = split ? a.d[at] / 256.0f : a.d[at];
+        w.s[i * 16 + 4 * k] = a.s[at];
+      }
+    }
+  });
+  return w;
+}
+
+// Byte (or 16-bit word) indices into two 64-byte loads of a group, the first at its start and
+// the second at its end - 64: element e of the result is the group's byte (word) pos(e).
+template <typename Pos>
+BW_TARGET inline __m512i two_load_index(int group_bytes, bool words, Pos pos) {
+  alignas(64) uint8_t bytes[64];
+  alignas(64) uint16_t ws[32];
+  const int second = group_bytes - 64;
+  for (int e = 0; e < (words ? 32 : 64); ++e) {
+    const int p = pos(e), unit = words ? 2 : 1, n = 64 / unit;
+    const int idx = p * unit < 64 ? p : n + p - second / unit;
+    if (words) ws[e] = static_cast<uint16_t>(idx); else bytes[e] = static_cast<uint8_t>(idx);
+  }
+  return words ? _mm512_load_si512(ws) : _mm512_load_si512(bytes);
+}
+
+// A group's weights: the two vectors of unsigned quants, the 16 lanes' weight scales and
+// (with a minimum) minimums.
+struct WideGroup {
+  __m512i lo, hi;
+  __m512 scale, minimum;
+};
+
+// 32 bytes at p and 32 at p + stride, in one vector.
+BW_TARGET inline __m512i two_blocks(const uint8_t* p, int stride) {
+  const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + stride));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+}
+
+template <int QT>
+struct WideUnpack {
+  static constexpr int kB = kBlockBytes<QT>, kQs = QT == Q4_0 ? 2 : QT == Q4_1 ? 4
+                                                   : QT == Q5_0 ? 6 : 8;
+  __m512i quants, words;  // vpermt2b / vpermt2w indices (not for Q8_0)
+
+  VBMI_TARGET WideUnpack() {
+    if constexpr (QT != Q8_0) {
+      quants = two_load_index(4 * kB, false, [](int e) { return (e / 16) * kB + kQs + e % 16; });
+      // words 0-15: block e / 4's scale d; 16-31: its minimum m (the word after d).
+      words = two_load_index(4 * kB, true, [](int e) { return ((e % 16) / 4) * kB / 2 + e / 16; });
+    }
+  }
+
+  VBMI_TARGET inline WideGroup operator()(const uint8_t* p) const {
+    WideGroup u;
+    if constexpr (QT == Q8_0) {
+      const __m512i a = two_blocks(p + 2, 34), b = two_blocks(p + 70, 34);
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // q + 128
+      u.lo = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)), flip);
+      u.hi = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)), flip);
+      uint16_t d[4];
+      for (int k = 0; k < 4; ++k) std::memcpy(&d[k], p + 34 * k, 2);
+      const __m128 d4 = _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(d[0]),
+          static_cast<short>(d[1]), static_cast<short>(d[2]), static_cast<short>(d[3]), 0, 0, 0,
+          0));
+      u.scale = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+          _mm512_castps128_ps512(d4));
+      u.minimum = _mm512_setzero_ps();
+    } else {
+      const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 4 * kB - 64);
+      const __m512i v = _mm512_permutex2var_epi8(a, quants, b);
+      const __m512i mask = _mm512_set1_epi8(0x0F);
+      u.lo = _mm512_and_si512(v, mask);
+      u.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      if constexpr (QT == Q5_0 || QT == Q5_1) {  // the 5th bits: bit i of qh for value i
+        uint64_t low = 0, high = 0;
+        for (int k = 0; k < 4; ++k) {
+          uint32_t qh;
+          std::memcpy(&qh, p + kB * k + kQs - 4, 4);
+          low |= static_cast<uint64_t>(qh & 0xFFFF) << (16 * k);
+          high |= static_cast<uint64_t>(qh >> 16) << (16 * k);
+        }
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        u.lo = _mm512_mask_add_epi8(u.lo, low, u.lo, sixteen);
+        u.hi = _mm512_mask_add_epi8(u.hi, high, u.hi, sixteen);
+      }
+      const __m512i w = _mm512_permutex2var_epi16(a, words, b);
+      u.scale = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
+      u.minimum = has_minimum(QT) ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1))
+                                  : _mm512_setzero_ps();
+    }
+    return u;
+  }
+};
+
+// The 16 lanes' sum: its halves added, then `sum8` (the AVX2 form sums its two halves so).
+BW_TARGET inline float sum16(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+}
+
+template <int QT, int MR, bool SPLIT>
+VBMI_TARGET void wide_tile(const WideActs& a, const WideUnpack<QT>& unpack, int64_t blocks,
+                           int64_t t0, const uint8_t* w, int64_t row_bytes, int64_t j0,
+                           int64_t j1, const float* bias, float* y, int64_t ldy) {
+  constexpr int kB = kBlockBytes<QT>;
+  const int64_t whole = blocks / 4, tail = blocks % 4;
+  alignas(64) uint8_t last[4 * 34] = {};  // the last group's blocks, zero-padded
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* row = w + j * row_bytes;
+    if (tail) std::memcpy(last, row + whole * 4 * kB, tail * kB);
+    __m512 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < a.groups; ++g) {
+      const WideGroup u = unpack(g < whole ? row + g * 4 * kB : last);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (t0 + m) * a.groups + g;
+        const int8_t* xq = a.q.data() + at * 128;
+        __m512i dot = _mm512_loadu_si512(a.start.data() + at * 16);
+        dot = _mm512_dpbusd_epi32(dot, u.lo, _mm512_loadu_si512(xq));
+        dot = _mm512_dpbusd_epi32(dot, u.hi, _mm512_loadu_si512(xq + 64));
+        if constexpr (SPLIT) {  // 256 dot(w, q) + dot(w, q2): exact in int32 (|.| < 2^26)
+          const int8_t* xq2 = a.q2.data() + at * 128;
+          __m512i dot2 = _mm512_loadu_si512(a.start2.data() + at * 16);
+          dot2 = _mm512_dpbusd_epi32(dot2, u.lo, _mm512_loadu_si512(xq2));
+          dot2 = _mm512_dpbusd_epi32(dot2, u.hi, _mm512_loadu_si512(xq2 + 64));
+          dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dot2);
+        }
+        const __m512 dx = _mm512_loadu_ps(a.d.data() + at * 16);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(u.scale, dx), acc[m]);
+        if constexpr (has_minimum(QT)) {
+          acc[m] = _mm512_fmadd_ps(u.minimum, _mm512_loadu_ps(a.s.data() + at * 16), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      y[(t0 + m) * ldy + j] = sum16(acc[m]) + (bias ? bias[j] : 0.0f);
+    }
+  }
+}
+
+template <int QT, bool SPLIT>
+void wide_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
+                 int64_t out, const float* bias, float* y) {
+  const WideActs wa = wide_acts(a, rows, QT);
+  const WideUnpack<QT> unpack;
+  over_tiles(rows, out, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
+    wide_tile<QT, decltype(mr)::value, SPLIT>(wa, unpack, a.blocks, t0, w, row_bytes, j0, j1,
+                                              bias, y, out);
+  });
+}
+
+bool cpu_has_vbmi() { return __builtin_cpu_supports("avx512vbmi"); }
 
 // "vnni" (SPLIT false), "vnni2" (SPLIT true) and, with AVX2, "avx2_int" (SPLIT true).
 template <bool SPLIT, bool AVX2>
@@ -654,6 +886,15 @@ void int_path(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
     }
   });
   const Activations a{q.data(), q2p, d.data(), s.data(), in, blocks};
+  if (!AVX2 && wide_type(qtype) && cpu_has_vbmi()) {
+    switch (qtype) {
+      case Q8_0: return wide_linear<Q8_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+      case Q4_0: return wide_linear<Q4_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+      case Q4_1: return wide_linear<Q4_1, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+      case Q5_0: return wide_linear<Q5_0, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+      default: return wide_linear<Q5_1, SPLIT>(a, rows, w, row_bytes, out, bias, y);
+    }
+  }
   switch (qtype) {
     case Q8_0: return int_linear<Q8_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
     case Q4_0: return int_linear<Q4_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
