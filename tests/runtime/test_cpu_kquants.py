@@ -171,3 +171,16 @@ def test_k_quant_types_fall_back_where_rows_are_not_whole_super_blocks():
     assert part_type("q4_k", "down_proj", 0, 30, 1536) == T.Q6_K
     assert part_type("q4_k", "down_proj", 3, 30, 1536) == T.Q4_K
     assert part_type("q6_k", "o_proj", 3, 30, 512) == T.Q6_K
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_searching_in_chunks_gives_the_same_blocks(qtype, monkeypatch):
+    """The scale searches run `kquants.CHUNK` sub-blocks at a time; each sub-block's is its own,
+    so any chunk size (here 7, splitting super-blocks) writes the same bytes."""
+    from arborlm.runtime.platforms.cpu import kquants
+
+    quantize = kquants.quantize_q4_k if qtype == T.Q4_K else kquants.quantize_q6_k
+    weight = _awkward_rows(seed=3)
+    whole = quantize(weight)
+    monkeypatch.setattr(kquants, "CHUNK", 7)
+    assert torch.equal(quantize(weight), whole)

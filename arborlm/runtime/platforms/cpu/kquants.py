@@ -26,6 +26,18 @@ Q4_K_BYTES = 144
 Q6_K_BYTES = 210
 
 
+# Sub-blocks searched at a time: each candidate's temporaries (a few `[n, 32]` float32 tensors)
+# then stay in L2 instead of streaming a whole table's worth through memory per candidate.
+CHUNK = 8192
+
+
+def _in_chunks(search, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`search` (`_qkx2` or `_qx`) over sub-blocks `x` `[n, size]`, `CHUNK` at a time: the same
+    results, each sub-block's search being its own."""
+    parts = [search(x[i:i + CHUNK]) for i in range(0, x.shape[0], CHUNK)]
+    return torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
+
+
 def _f16_bytes(values: torch.Tensor) -> torch.Tensor:
     """float32 `[n]` -> their f16 bit patterns as bytes `[n, 2]` (little-endian)."""
     return values.to(torch.float16).view(torch.uint8).reshape(-1, 2)
@@ -84,7 +96,7 @@ def quantize_q4_k(weight: torch.Tensor) -> torch.Tensor:
     assert cols % QK_K == 0, cols
     x = weight.detach().float().reshape(-1, 8, 32)  # [blocks, sub, 32]
     n = x.shape[0]
-    scales, mins = _qkx2(x.reshape(-1, 32))
+    scales, mins = _in_chunks(_qkx2, x.reshape(-1, 32))
     scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
     max_scale, max_min = scales.amax(-1), mins.amax(-1)  # [n]
     inv_scale = torch.where(max_scale > 0, 63 / max_scale.clamp_min(1e-30), 0.0)
@@ -143,7 +155,7 @@ def quantize_q6_k(weight: torch.Tensor) -> torch.Tensor:
     assert cols % QK_K == 0, cols
     x = weight.detach().float().reshape(-1, 16, 16)  # [blocks, sub, 16]
     n = x.shape[0]
-    scales, _ = _qx(x.reshape(-1, 16))
+    scales, _ = _in_chunks(_qx, x.reshape(-1, 16))
     scales = scales.reshape(n, 16)
     pick = scales.abs().argmax(-1, keepdim=True)
     max_scale = scales.gather(-1, pick)[:, 0]  # [n], signed
