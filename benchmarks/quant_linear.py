@@ -7,7 +7,8 @@ panels (`panel_linear`, what ArborLM's bf16 decode runs) and each packed type (w
 `gguf`'s quantizer on random values) on each of `quant_linear`'s paths (`--paths`: "float",
 weights dequantized in registers against activations widened to float32; "bf16", against the
 bfloat16 activations with `vdpbf16ps`; "vnni2", activations in two int8 terms; "vnni", int8
-activations; "avx2_int", "vnni2" with AVX2's byte products, and "avx2", blocks dequantized to
+activations; "amx", weights dequantized to bfloat16 a chunk at a time, then oneDNN's GEMM (AMX
+tiles); "avx2_int", "vnni2" with AVX2's byte products, and "avx2", blocks dequantized to
 float32 in 8-lane FMAs, where AVX-512 is missing;
 "portable", scalar; "default", `quant_path`'s choice for the row count),
 `--repeats` rounds; prints the median and the fastest round of each, in milliseconds per step,
@@ -16,7 +17,7 @@ On a CPU without AVX512-BF16 the base is what the engine runs there instead: flo
 `PackedLinear` (oneDNN) on float32 activations, which the packed paths then take too.
 
     python benchmarks/quant_linear.py [--threads 2] [--repeats 7] [--rows 1 8 32 128 512]
-        [--types Q8_0 Q4_1] [--paths default float bf16 vnni2 vnni avx2_int avx2 portable]
+        [--types Q8_0 Q4_1] [--paths default float bf16 vnni2 vnni amx avx2_int avx2 portable]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from arborlm.runtime.platforms.cpu.quant_linear import quantize_weight
 LAYERS = 30
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 TYPES = ["Q8_0", "Q4_1"]
-PATHS = ["default", "float", "bf16", "vnni2", "vnni", "avx2_int", "avx2", "portable"]
+PATHS = ["default", "float", "bf16", "vnni2", "vnni", "amx", "avx2_int", "avx2", "portable"]
 
 
 def weights(kind: str | T) -> list[tuple]:

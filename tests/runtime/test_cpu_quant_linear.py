@@ -42,7 +42,7 @@ from tests.runtime.gguf_reference import T, random_blocks, reference_dequantize
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 # Taken four blocks at a time by vnni / vnni2 (with AVX512-VBMI) and avx2_int.
 WIDE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K]
-PATHS = ["portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni"]
+PATHS = ["portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni", "amx"]
 EPS32 = 2.0 ** -24
 # Ordinary f16 scales (no extremes), for the checks where x's own extremes are under test.
 PLAIN_SCALES = np.array([0.0, 1.0, 1e-3, -2.5, 0.0625, 3.0], dtype=np.float16)
@@ -90,7 +90,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, values: np.ndarray, magnitude: np.n
     bound = (inp + 16) * EPS32 * (np.abs(seen) @ magnitude.T)
     if x.dtype == torch.bfloat16:  # bfloat16 output: rounded once
         bound += 2.0 ** -8 * np.abs(ref) + bound
-    if x.dtype == torch.bfloat16 and path == "bf16" and capabilities.has_native_bf16():
+    if x.dtype == torch.bfloat16 and path in ("bf16", "amx") and capabilities.has_native_bf16():
         bound += 2.0 ** -8 * (np.abs(x64) @ magnitude.T)  # each weight rounded to bfloat16
     error = np.abs(got - ref)
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
@@ -130,32 +130,38 @@ def test_matches_float64_reference(qtype, path, rows, out):
     _check(y, x, values, magnitude, path)
 
 
+@pytest.mark.parametrize("path", ["bf16", "amx"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows,out", [(1, 67), (7, 130), (130, 33)])
-def test_bf16_path_matches_float64_reference(qtype, rows, out):
+@pytest.mark.parametrize("rows,out", [(1, 67), (7, 130), (130, 33), (40, 2100)])
+def test_bf16_path_matches_float64_reference(qtype, rows, out, path):
     """bfloat16 x on the kernel's float path: `vdpbf16ps` against weights rounded once to
     bfloat16 where the CPU has AVX512-BF16, x widened to float32 otherwise (the fallback: the
-    FMA kernel)."""
-    _skip_unless("bf16")
+    FMA kernel); on "amx", oneDNN's GEMM against the same bfloat16 weights (2100 outputs: more
+    than one ~1 MB chunk of them)."""
+    _skip_unless(path)
     inp = 512
     w, values, magnitude = _weight(qtype, out, inp, seed=int(qtype) * 7 + rows)
     x = _x(rows, inp, seed=rows).bfloat16()
     bias = torch.randn(out, generator=torch.Generator().manual_seed(rows))
-    y = cpu_kernels.quant_linear(x, w, int(qtype), bias, path="bf16")
+    y = cpu_kernels.quant_linear(x, w, int(qtype), bias, path=path)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
-    _check_bias(y, bias, x, values, magnitude)
+    _check_bias(y, bias, x, values, magnitude, path)
 
 
 def _check_bias(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, values: np.ndarray,
-                magnitude: np.ndarray) -> None:
+                magnitude: np.ndarray, path: str = "bf16") -> None:
     """y = x values^T + bias in bfloat16: the float64 reference with the bias, bounded as
-    `_check` bounds the product (the bias adds its own magnitude to the output's rounding)."""
+    `_check` bounds the product (the bias adds its own magnitude to the output's rounding;
+    "amx": oneDNN rounds the product to bfloat16 before it adds the bias, itself in bfloat16,
+    so two more roundings)."""
     x64 = x.double().numpy()
     ref = x64 @ values.T + bias.double().numpy()
     scale = np.abs(x64) @ magnitude.T
     bound = 2 * (x.shape[1] + 16) * EPS32 * scale + 2.0 ** -8 * np.abs(ref)
     if capabilities.has_native_bf16():
         bound += 2.0 ** -8 * scale
+    if path == "amx":
+        bound += 2.0 ** -8 * (scale + np.abs(bias.double().numpy()))
     error = np.abs(y.double().numpy() - ref)
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
     assert np.all(error <= bound), (worst, y[worst].item(), ref[worst], bound[worst])
@@ -194,13 +200,16 @@ def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
         for i in range(x.shape[0]):
             one = cpu_kernels.quant_linear(xb[i:i + 1], w, int(qtype), path=path)
             assert torch.equal(one, yb[i:i + 1])
+    elif path == "amx":  # oneDNN blocks by rows: not batch-invariant; "bf16"'s values, its order
+        ours = cpu_kernels.quant_linear(xb, w, int(qtype), path="bf16").float()
+        assert torch.allclose(yb.float(), ours, rtol=2.0 ** -7, atol=1e-3 * ours.abs().max())
     else:  # widened to float32
         widened = cpu_kernels.quant_linear(xb.float(), w, int(qtype), path=path)
         assert torch.equal(yb, widened.bfloat16())
 
 
 @pytest.mark.parametrize("path,within", [("vnni", 1e-2), ("vnni2", 1e-4), ("float", 1e-5),
-                                         ("bf16", 1e-5), ("avx2", 1e-5),
+                                         ("bf16", 1e-5), ("avx2", 1e-5), ("amx", 1e-5),
                                          ("avx2_int", 1e-4)])
 def test_paths_agree_on_real_scales(path, within):
     """Each path differs from the portable one only by its activations' rounding: on ordinary
@@ -247,6 +256,9 @@ def test_the_path_is_chosen_by_rows_and_can_be_forced(monkeypatch):
     assert few == ("vnni2" if "vnni2" in here else "bf16" if "bf16" in here
                    else "avx2_int" if "avx2" in here else "portable")
     assert cpu_kernels.batch_invariant_quant_path() == many
+    batch = cpu_kernels.quant_path(cpu_kernels.AMX_ROWS)
+    assert batch == ("amx" if "amx" in here else many)
+    assert ("amx" in here) == ("bf16" in here and capabilities.has_amx_bf16())
     assert not {"vnni", "float"} & {many, few}
     monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")
     assert cpu_kernels.quant_path(1) == cpu_kernels.quant_path(512) == "portable"
@@ -265,7 +277,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q2_K), path="portable")
     with pytest.raises(RuntimeError,
-                       match="path must be portable, avx2, avx2_int, vnni, vnni2 or float"):
+                       match="path must be portable, avx2, avx2_int, vnni, vnni2, float or amx"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), path="int4")
     with pytest.raises(RuntimeError, match="bias must be"):
         cpu_kernels.quant_linear(torch.randn(2, 64), w, int(T.Q4_0), torch.zeros(3),

@@ -30,7 +30,7 @@ from tests.runtime.test_fused_decode import (
 PACKED = [("q4_0", "llama", None), ("q4_k", "llama", None), ("gguf", "qwen2", "Q4_0")]
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["by-rows", "pinned"])
+@pytest.mark.parametrize("deterministic", [False, True, "amx"], ids=["by-rows", "pinned", "amx"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization,arch,file_type", PACKED,
                          ids=["q4_0", "q4_k", "gguf-qwen2-Q4_0"])
@@ -39,8 +39,8 @@ def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_t
     """The fused step takes packed weights as they are (the embedding decoded per looked-up
     row, every linear through the eager modules' kernel and path): tokens equal the eager
     engine's, logprobs to the rounding of the glue's sums, at batch sizes 3, 2 and 1, with the
-    path chosen by rows or pinned by deterministic inference; `run_ahead` (continuous greedy
-    steps) too. On a CPU with AVX2 but not AVX-512 the step runs there too, in float32, with
+    path chosen by rows or pinned by deterministic inference, or (where the CPU has AMX) "amx"
+    from 2 rows; `run_ahead` (continuous greedy steps) too. On a CPU with AVX2 but not AVX-512 the step runs there too, in float32, with
     AVX2 attention and row steps against the eager engine's torch ops."""
     from gguf import GGMLQuantizationType as T
 
@@ -53,7 +53,13 @@ def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_t
     if not cpu_kernels.packed_step_available(getattr(torch, dtype)):
         pytest.skip(f"the fused step does not run in {dtype} on this CPU")
     if deterministic and dtype == "float32":
-        pytest.skip("deterministic inference pins the path in both dtypes: bfloat16 suffices")
+        pytest.skip("deterministic inference pins the path in both dtypes, and \"amx\" takes "
+                    "bfloat16 only: bfloat16 suffices")
+    if deterministic == "amx":
+        if "amx" not in cpu_kernels.quant_paths():
+            pytest.skip("this CPU lacks AMX-BF16")
+        monkeypatch.setattr(cpu_kernels, "AMX_ROWS", 2)
+        deterministic = False
     path = tiny_model(arch, **SIZE)
     if file_type is not None:
         path = write_gguf(path, tmp_path / f"{arch}.gguf", T[file_type],

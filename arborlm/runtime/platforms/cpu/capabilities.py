@@ -70,6 +70,14 @@ def has_avx2_fma() -> bool:
 
 
 @functools.cache
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles with bfloat16 products and the OS grants them (torch asks
+    for the tile state, as oneDNN does): where oneDNN's bfloat16 GEMMs run on AMX."""
+    return (is_x86_64() and "amx_bf16" in cpu_flags() and torch.cpu._is_amx_tile_supported()
+            and torch.cpu._init_amx())
+
+
+@functools.cache
 def has_avx512_quant_float() -> bool:
     """Whether this CPU (and its OS) grants AVX-512 (F, BW, VL) with F16C and FMA: what
     `quant_linear`'s float path needs (bfloat16 products also need `has_native_bf16`; without

@@ -394,14 +394,20 @@ def quant_linear_available() -> bool:
 # (x widened to float32 against weights dequantized in registers, FMAs: AVX-512 F/BW/VL),
 # "bf16" (the kernel's float path on bfloat16 x as it is: `vdpbf16ps` against weights rounded
 # to bfloat16, where AVX512-BF16 is granted; float32 x as "float"), "vnni2" (x in two int8 terms
-# per block, ~15 bits: AVX512-VNNI) and "vnni" (x quantized to int8 per block, as llama.cpp
+# per block, ~15 bits: AVX512-VNNI), "amx" (bfloat16 x against the weights dequantized to
+# bfloat16 a chunk at a time, oneDNN's GEMM: AMX tiles; float32 x as "float"; not
+# batch-invariant) and "vnni" (x quantized to int8 per block, as llama.cpp
 # does; opt-in only: on SmolLM2-135M's Q4_1 file it agrees with the dequantized model's top-1
 # token at too few positions, tests/real_model/test_quantization_smollm2.py).
-QUANT_PATHS = ("portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni")
+QUANT_PATHS = ("portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni", "amx")
 # From this many rows the float path is the faster (benchmarks/quant_linear.py; figures in
 # docs/performance.md); below it, the integer path with two-term activations. The same
 # crossover holds without AVX-512, between "avx2" and "avx2_int".
 FLOAT_PATH_ROWS = 8
+# From this many rows, where the CPU lists AMX-BF16, "amx" (bfloat16 x against the weights
+# dequantized to bfloat16, oneDNN's AMX kernels): 3-7x the AVX-512 panels' speed from 32 rows
+# there (docs/performance.md), level with them at 8.
+AMX_ROWS = 16
 
 
 def quant_paths() -> tuple[str, ...]:
@@ -413,13 +419,16 @@ def quant_paths() -> tuple[str, ...]:
         paths += ["float", "bf16"]
     if capabilities.has_avx512_vnni():
         paths += ["vnni2", "vnni"]
+    if capabilities.has_avx512_quant_float() and capabilities.has_amx_bf16():
+        paths += ["amx"]
     return tuple(paths)
 
 
 def quant_path(rows: int = 1) -> str:
     """The path `quant_linear` runs for `rows` rows of x: `$ARBORLM_QUANT_PATH` where set (one
-    of `QUANT_PATHS`; "float" and "vnni" are only ever chosen this way), else "bf16" from
-    `FLOAT_PATH_ROWS` rows and "vnni2" below, each where the CPU grants it, else "bf16"; without
+    of `QUANT_PATHS`; "float" and "vnni" are only ever chosen this way), else "amx" from
+    `AMX_ROWS` rows, "bf16" from `FLOAT_PATH_ROWS` and "vnni2" below, each where the CPU grants
+    it, else "bf16"; without
     AVX-512 "avx2" from `FLOAT_PATH_ROWS` rows and "avx2_int" below; else "portable"."""
     forced = os.environ.get("ARBORLM_QUANT_PATH", "")
     if forced:
@@ -429,6 +438,8 @@ def quant_path(rows: int = 1) -> str:
     here = quant_paths()
     if "vnni2" in here and rows < FLOAT_PATH_ROWS:
         return "vnni2"
+    if "amx" in here and rows >= AMX_ROWS:
+        return "amx"
     if "bf16" in here:
         return "bf16"
     if "avx2" in here:

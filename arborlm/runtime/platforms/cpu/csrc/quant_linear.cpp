@@ -2,7 +2,7 @@
 //
 // The weight is a GGUF tensor's bytes, one row per output column (`[out, row bytes]` uint8),
 // never dequantized into memory. A decode step streams every weight once, so a 4-bit weight
-// reads a quarter of bfloat16's bytes. Six paths, named per call by the caller (`path`;
+// reads a quarter of bfloat16's bytes. Seven paths, named per call by the caller (`path`;
 // `cpu_kernels.quant_path` chooses by the CPU and the number of rows):
 //
 // - "vnni": integer dot products (AVX512-VNNI `vpdpbusd` on 256-bit vectors), as llama.cpp's CPU
@@ -32,6 +32,8 @@
 // - "avx2_int", for the same CPUs: "vnni2" with AVX2's byte products (`vpmaddubsw`, then
 //   `vpmaddwd` against ones) in place of `vpdpbusd`, the same outputs bit for bit (the 32-value
 //   types four blocks at a time as `wide_tile`, in two 256-bit halves).
+// - "amx", for batches of bfloat16 x: the weight dequantized to bfloat16 as "float" does, ~1 MB
+//   at a time, times x by oneDNN (`amx_linear`, below: AMX tiles where the CPU grants them).
 // - "portable", for CPUs without those instructions: each 32-value block dequantized to
 //   float32 on the stack and dotted with x unquantized. Compiled for baseline x86-64, so it
 //   runs anywhere; slower, never an illegal instruction.
@@ -1403,6 +1405,59 @@ void float_path(int64_t qtype, const void* x, int64_t rows, int64_t in, const ui
   }
 }
 
+// ---- the "amx" path -------------------------------------------------------------------------
+//
+// Batches of bfloat16 x: the weight dequantized to bfloat16 (the "bf16" path's values, each
+// weight rounded once), ~1 MB of rows at a time into a scratch that stays in L2, times x by
+// ATen's linear, which is oneDNN's brgemm: AMX tiles where the CPU and OS grant them (3-7x the
+// AVX-512 panels at 32-128 rows on an AMX Xeon). Not batch-invariant (oneDNN blocks by rows),
+// so deterministic inference never picks it. `cpu_kernels.quant_path` picks it from
+// `AMX_ROWS` rows where the CPU lists AMX-BF16.
+
+template <int QT>
+void dequant_rows_bf16(const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t n, int64_t in,
+                       uint16_t* out) {
+  at::parallel_for(j0, j0 + n, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      dequant_bf16<QT>(w + j * row_bytes, in / 32, out + (j - j0) * in);
+    }
+  });
+}
+
+// x [rows, in] bfloat16 (contiguous) times the packed weight [out, row bytes] (+ bias float32,
+// or undefined) -> [rows, out] bfloat16.
+at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int64_t row_bytes,
+                      int64_t out, const at::Tensor& bias) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  const int64_t chunk = std::min(out, std::max<int64_t>(16, (int64_t{1} << 20) / (2 * in)));
+  thread_local at::Tensor scratch;  // grown, never shrunk: one step's calls reuse it
+  if (!scratch.defined() || scratch.numel() < chunk * in) {
+    scratch = at::empty({chunk * in}, x.options());
+  }
+  auto* buf = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+  const at::Tensor b = bias.defined() ? bias.to(at::kBFloat16) : at::Tensor();
+  at::Tensor y = out > chunk ? at::empty({rows, out}, x.options()) : at::Tensor();
+  for (int64_t j0 = 0; j0 < out; j0 += chunk) {
+    const int64_t n = std::min(chunk, out - j0);
+    switch (qtype) {
+      case Q8_0: dequant_rows_bf16<Q8_0>(w, row_bytes, j0, n, in, buf); break;
+      case Q4_0: dequant_rows_bf16<Q4_0>(w, row_bytes, j0, n, in, buf); break;
+      case Q4_1: dequant_rows_bf16<Q4_1>(w, row_bytes, j0, n, in, buf); break;
+      case Q5_0: dequant_rows_bf16<Q5_0>(w, row_bytes, j0, n, in, buf); break;
+      case Q5_1: dequant_rows_bf16<Q5_1>(w, row_bytes, j0, n, in, buf); break;
+      case Q4_K: dequant_rows_bf16<Q4_K>(w, row_bytes, j0, n, in, buf); break;
+      case Q5_K: dequant_rows_bf16<Q5_K>(w, row_bytes, j0, n, in, buf); break;
+      case Q6_K: dequant_rows_bf16<Q6_K>(w, row_bytes, j0, n, in, buf); break;
+      default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
+    }
+    const at::Tensor part = at::linear(x, scratch.narrow(0, 0, n * in).view({n, in}),
+                                       b.defined() ? b.narrow(0, j0, n) : at::Tensor());
+    if (!y.defined()) return part;
+    y.narrow(1, j0, n).copy_(part);
+  }
+  return y;
+}
+
 bool cpu_has_avx512_float() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
@@ -1421,9 +1476,10 @@ bool cpu_has_vnni() {
 }
 
 // path: "portable", "avx2" (as portable, FMAs on 8 lanes), "avx2_int" ("vnni2" on AVX2), "vnni"
-// (x quantized to int8), "vnni2" (x in two int8 terms) or "float" (x
+// (x quantized to int8), "vnni2" (x in two int8 terms), "float" (x
 // as it is: bfloat16 through the AVX512-BF16 dot product where the CPU has it, otherwise
-// widened to float32 for FMAs).
+// widened to float32 for FMAs) or "amx" (bfloat16 x: oneDNN on dequantized weights; else as
+// "float").
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                         const std::optional<at::Tensor>& bias, c10::string_view path) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "quant_linear: CPU tensors only");
@@ -1449,11 +1505,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
     b = bias->to(at::kFloat).contiguous();
   }
   const bool split = path == "vnni2", use_vnni = path == "vnni" || split,
-             use_float = path == "float", use_avx2 = path == "avx2",
-             use_avx2_int = path == "avx2_int";
+             use_amx = path == "amx", use_float = path == "float" || use_amx,
+             use_avx2 = path == "avx2", use_avx2_int = path == "avx2_int";
   TORCH_CHECK(use_vnni || use_float || use_avx2 || use_avx2_int || path == "portable",
-              "quant_linear: path must be portable, avx2, avx2_int, vnni, vnni2 or float, got ",
-              path);
+              "quant_linear: path must be portable, avx2, avx2_int, vnni, vnni2, float or amx, "
+              "got ", path);
   TORCH_CHECK(!(use_avx2 || use_avx2_int) || cpu_has_avx2(),
               "quant_linear: this CPU lacks AVX2 with F16C and FMA");
   TORCH_CHECK(!use_vnni || cpu_has_vnni(), "quant_linear: this CPU lacks AVX512-VNNI");
@@ -1461,6 +1517,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
               "quant_linear: this CPU lacks AVX-512 (F, BW, VL) with F16C and FMA");
   const bool bf16_dot = use_float && dtype == at::kBFloat16 &&
                         __builtin_cpu_supports("avx512bf16");
+  if (use_amx && bf16_dot && rows > 0 && out > 0) {  // else as "float" (float32 x: FMAs)
+    return amx_linear(qtype, x.contiguous(), weight.data_ptr<uint8_t>(), row_bytes, out, b);
+  }
   const at::Tensor xc = bf16_dot ? x.contiguous() : x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
   if (rows > 0 && out > 0) {
