@@ -40,8 +40,9 @@ def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_t
     row, every linear through the eager modules' kernel and path): tokens equal the eager
     engine's, logprobs to the rounding of the glue's sums, at batch sizes 3, 2 and 1, with the
     path chosen by rows or pinned by deterministic inference, or (where the CPU has AMX) "amx"
-    from 2 rows; `run_ahead` (continuous greedy steps) too. On a CPU with AVX2 but not AVX-512 the step runs there too, in float32, with
-    AVX2 attention and row steps against the eager engine's torch ops."""
+    from 2 rows; `run_ahead` (continuous greedy steps) too. On a CPU with AVX2 but not AVX-512
+    the step runs there too, in float32, with AVX2 attention and row steps against the eager
+    engine's torch ops."""
     from gguf import GGMLQuantizationType as T
 
     from arborlm.runtime.models.factory import tiny_model
