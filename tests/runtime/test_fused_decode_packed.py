@@ -56,10 +56,15 @@ def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_t
     if deterministic and dtype == "float32":
         pytest.skip("deterministic inference pins the path in both dtypes, and \"amx\" takes "
                     "bfloat16 only: bfloat16 suffices")
-    if deterministic == "amx":
+    paths: list[str] = []
+    amx = deterministic == "amx"
+    if amx:
         if "amx" not in cpu_kernels.quant_paths():
             pytest.skip("this CPU lacks AMX-BF16")
+        monkeypatch.setattr(cpu_kernels, "FLOAT_PATH_ROWS", 2)  # vnni2 for one row only
         monkeypatch.setattr(cpu_kernels, "AMX_ROWS", 2)
+        monkeypatch.setattr(fused_decode.FusedDecodeStep, "quant_path",
+                            _recording(fused_decode.FusedDecodeStep.quant_path, paths))
         deterministic = False
     path = tiny_model(arch, **SIZE)
     if file_type is not None:
@@ -71,6 +76,7 @@ def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_t
     with Engine(str(path), **options) as engine:
         assert isinstance(engine.scheduler.runner.decode, fused_decode.FusedDecodeStep)
         fused = _decode_together(engine)
+    assert "amx" in paths if amx else "amx" not in paths
     assert sum(calls) == sum(n - 1 for n in NEW) and set(calls) == {1, 2, 3}
     ahead_calls = []
     run_ahead = fused_decode.FusedDecodeStep.run_ahead
@@ -93,6 +99,14 @@ def test_packed_weights_decode_through_the_fused_step(quantization, arch, file_t
     for f, e in zip(fused, eager):
         assert f["output_ids"] == e["output_ids"]
         assert _logprobs(f) == pytest.approx(_logprobs(e), abs=tol)
+
+
+def _recording(quant_path, paths: list[str]):
+    """`FusedDecodeStep.quant_path` that also notes each path it gives."""
+    def recorded(self, rows: int) -> str:
+        paths.append(quant_path(self, rows))
+        return paths[-1]
+    return recorded
 
 
 def _attention_reference(q, pool_k, pool_v, slots, lens, scale):

@@ -21,8 +21,9 @@ as fast on a CPU (figures: docs/performance.md, "CPU kernels"; `benchmarks/cpu_k
   called by number from a compiled graph (`linear.packed_linear`; it needs no AVX-512).
 - `quant_linear`: a linear computed from a GGUF tensor's packed blocks (Q8_0, Q4_0/1, Q5_0/1,
   Q4_K, Q5_K, Q6_K): weights dequantized in registers against float activations (AVX-512 FMA
-  or AVX512-BF16), AVX512-VNNI integer dot products on activations quantized per block, or a
-  portable scalar path on CPUs without either (`quant_path(rows)` says which).
+  or AVX512-BF16), AVX512-VNNI integer dot products on activations quantized per block (AVX2's
+  byte products without AVX-512), batches through oneDNN on weights dequantized a chunk at a
+  time where the CPU has AMX, or a portable scalar path (`quant_path(rows)` says which).
 
 The operators live in one extension, built on first use with torch's extension builder (a C++
 compiler and ninja; tens of seconds, cached on disk after) and traced by `torch.compile` as

@@ -423,9 +423,9 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
   in.path = std::string(quant_path);
   TORCH_CHECK(records.empty() || in.path == "portable" || in.path == "float" ||
                   in.path == "bf16" || in.path == "vnni" || in.path == "vnni2" ||
-                  in.path == "avx2" || in.path == "avx2_int",
-              "decode_step: quant_path must be portable, avx2, avx2_int, float, bf16, vnni or "
-              "vnni2, got '", in.path, "'");
+                  in.path == "avx2" || in.path == "avx2_int" || in.path == "amx",
+              "decode_step: quant_path must be portable, avx2, avx2_int, float, bf16, vnni, "
+              "vnni2 or amx, got '", in.path, "'");
   TORCH_CHECK(wide() || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          in.dtype == at::kFloat),
               "decode_step: this CPU lacks AVX-512 (or AVX2 with FMA, for float32)");
