@@ -406,8 +406,8 @@ QUANT_PATHS = ("portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni",
 # crossover holds without AVX-512, between "avx2" and "avx2_int".
 FLOAT_PATH_ROWS = 8
 # From this many rows, where the CPU lists AMX-BF16, "amx" (bfloat16 x against the weights
-# dequantized to bfloat16, oneDNN's AMX kernels): 3-7x the AVX-512 panels' speed from 32 rows
-# there (docs/performance.md), level with them at 8.
+# dequantized to bfloat16, oneDNN's AMX kernels): level with the float path at 16 rows, 1.5x
+# it at 32 and 3x at 128 (docs/performance.md, benchmarks/quant_linear.py).
 AMX_ROWS = 16
 
 
@@ -429,8 +429,8 @@ def quant_path(rows: int = 1) -> str:
     """The path `quant_linear` runs for `rows` rows of x: `$ARBORLM_QUANT_PATH` where set (one
     of `QUANT_PATHS`; "float" and "vnni" are only ever chosen this way), else "amx" from
     `AMX_ROWS` rows, "bf16" from `FLOAT_PATH_ROWS` and "vnni2" below, each where the CPU grants
-    it, else "bf16"; without
-    AVX-512 "avx2" from `FLOAT_PATH_ROWS` rows and "avx2_int" below; else "portable"."""
+    it, else "bf16"; without AVX-512 "avx2" from `FLOAT_PATH_ROWS` rows and "avx2_int" below;
+    else "portable"."""
     forced = os.environ.get("ARBORLM_QUANT_PATH", "")
     if forced:
         if forced not in QUANT_PATHS:
