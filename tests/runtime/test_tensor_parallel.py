@@ -30,19 +30,30 @@ HANG_S = 120.0  # a call still unanswered after this has hung
 def _generate(path, prompts=PROMPTS[:4], **options) -> list[dict]:
     engine = Engine(str(path), dtype="float32", max_total_tokens=4096, **options)
     try:
-        first = engine.generate(prompts, GREEDY, return_logprob=True)
-        again = engine.generate(prompts, GREEDY, return_logprob=True)  # prefix-cache hits
+        first = engine.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+        again = engine.generate(prompts, GREEDY, return_logprob=True,
+                                top_logprobs_num=2)  # prefix-cache hits
         return first + again
     finally:
         engine.shutdown()
 
 
 def _assert_same(ref: list[dict], got: list[dict], tol: float = LOGPROB_TOL) -> None:
+    """Greedy tokens equal, their logprobs within `tol`. A token may differ only where the
+    reference's two best were within `2 tol` of each other: a tie that the sums' rounding
+    decides (the int8 paths' tolerance is wide enough to hold such ties); that request's
+    comparison ends there, its continuations being different texts."""
     for a, b in zip(ref, got, strict=True):
-        assert b["output_ids"] == a["output_ids"]
+        assert len(b["output_ids"]) == len(a["output_ids"])
         la = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
         lb = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
-        assert max(abs(x - y) for x, y in zip(la, lb, strict=True)) < tol
+        tops = a["meta_info"]["output_top_logprobs"]
+        for i, (ta, tb) in enumerate(zip(a["output_ids"], b["output_ids"], strict=True)):
+            if ta != tb:
+                gap = tops[i][0][0] - tops[i][1][0]
+                assert gap < 2 * tol, (i, ta, tb, gap)
+                break
+            assert abs(la[i] - lb[i]) < tol, (i, la[i], lb[i])
 
 
 @pytest.mark.parametrize("arch,overrides", [
