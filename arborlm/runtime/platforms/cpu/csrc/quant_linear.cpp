@@ -15,8 +15,8 @@
 //   registers) go in as |w| against x with w's sign. Each block's eight int32 lanes (exact) are
 //   scaled in float32 and summed once per output at the end. Up to 4 rows share each unpacked
 //   weight block; columns are walked in tiles of 64 that stay in L2 while every row passes.
-//   The 32-value types (Q8_0, Q4_*, Q5_*) go four blocks at a time through 512-bit vectors
-//   where the CPU has AVX512-VBMI (`wide_tile`, below: ~2-2.5x faster at one row).
+//   Q8_0, Q4_0/1, Q5_0/1, Q4_K and Q6_K go four blocks at a time through 512-bit vectors
+//   where the CPU has AVX512-VBMI (`quant_wide.cpp`).
 // - "vnni2": the same, with x in two int8 terms per block, x = d (q + q2 / 256) (q2 the
 //   residual's quants), so activations keep ~15 bits instead of 8: one more `vpdpbusd` per block
 //   and row, 256 dot(w, q) + dot(w, q2) summed exactly in int32.
@@ -30,8 +30,8 @@
 //   cores): four weight rows dequantized in registers to float32 (scale * q + minimum, one
 //   rounding, as "float"), then dotted with x in 8-lane FMAs, two rows of x at a time.
 // - "avx2_int", for the same CPUs: "vnni2" with AVX2's byte products (`vpmaddubsw`, then
-//   `vpmaddwd` against ones) in place of `vpdpbusd`, the same outputs bit for bit (the 32-value
-//   types four blocks at a time as `wide_tile`, in two 256-bit halves).
+//   `vpmaddwd` against ones) in place of `vpdpbusd`, the same outputs bit for bit (the types
+//   `quant_wide.cpp` takes four blocks at a time, in two 256-bit halves).
 // - "amx", for batches of bfloat16 x: the weight dequantized to bfloat16 as "float" does, ~1 MB
 //   at a time, times x by oneDNN (`amx_linear`, below: AMX tiles where the CPU grants them).
 // - "portable", for CPUs without those instructions: each 32-value block dequantized to
@@ -68,7 +68,6 @@
 namespace {
 
 using namespace arborlm_quant;
-
 
 // Values per block and bytes per block of each type (ggml's `ggml_type_traits`).
 bool type_size(int64_t qtype, int64_t* block, int64_t* bytes) {
@@ -814,8 +813,8 @@ void float_path(int64_t qtype, const void* x, int64_t rows, int64_t in, const ui
 //
 // Batches of bfloat16 x: the weight dequantized to bfloat16 (the "bf16" path's values, each
 // weight rounded once), ~1 MB of rows at a time into a scratch that stays in L2, times x by
-// ATen's linear, which is oneDNN's brgemm: AMX tiles where the CPU and OS grant them (3-7x the
-// AVX-512 panels at 32-128 rows on an AMX Xeon). Not batch-invariant (oneDNN blocks by rows),
+// ATen's linear, which is oneDNN's brgemm: AMX tiles where the CPU and OS grant them (figures:
+// docs/performance.md, "Batches through oneDNN"). Not batch-invariant (oneDNN blocks by rows),
 // so deterministic inference never picks it. `cpu_kernels.quant_path` picks it from
 // `AMX_ROWS` rows where the CPU lists AMX-BF16.
 
