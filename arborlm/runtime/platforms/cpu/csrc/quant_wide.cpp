@@ -408,35 +408,35 @@ AVX2_TARGET inline WideHalves wide_unpack_avx2(const uint8_t* row, int64_t g, in
     }
     return u;
   } else {
-  alignas(32) static constexpr uint8_t kZeros[kB] = {};  // a block past the row's last
-  const uint8_t* p = row + g * 4 * kB;
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* b0 = 2 * h < nb ? p + 2 * h * kB : kZeros;
-    const uint8_t* b1 = 2 * h + 1 < nb ? p + (2 * h + 1) * kB : kZeros;
-    if constexpr (QT == Q8_0) {
-      const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + kQs));
-      const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + kQs));
-      u.lo[h] = _mm256_permute2x128_si256(y0, y1, 0x20);
-      u.hi[h] = _mm256_permute2x128_si256(y0, y1, 0x31);
-    } else {
-      const __m256i v = _mm256_set_m128i(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kQs)),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kQs)));
-      u.lo[h] = _mm256_and_si256(v, mask);
-      u.hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      if constexpr (QT == Q5_0 || QT == Q5_1) {
-        uint32_t qh0, qh1;
-        std::memcpy(&qh0, b0 + kQs - 4, 4);
-        std::memcpy(&qh1, b1 + kQs - 4, 4);
-        u.lo[h] = _mm256_add_epi8(u.lo[h], bits_to_16s((qh0 & 0xFFFF) | (qh1 << 16)));
-        u.hi[h] = _mm256_add_epi8(u.hi[h], bits_to_16s((qh0 >> 16) | (qh1 & 0xFFFF0000)));
+    alignas(32) static constexpr uint8_t kZeros[kB] = {};  // a block past the row's last
+    const uint8_t* p = row + g * 4 * kB;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* b0 = 2 * h < nb ? p + 2 * h * kB : kZeros;
+      const uint8_t* b1 = 2 * h + 1 < nb ? p + (2 * h + 1) * kB : kZeros;
+      if constexpr (QT == Q8_0) {
+        const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + kQs));
+        const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + kQs));
+        u.lo[h] = _mm256_permute2x128_si256(y0, y1, 0x20);
+        u.hi[h] = _mm256_permute2x128_si256(y0, y1, 0x31);
+      } else {
+        const __m256i v = _mm256_set_m128i(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + kQs)),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + kQs)));
+        u.lo[h] = _mm256_and_si256(v, mask);
+        u.hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        if constexpr (QT == Q5_0 || QT == Q5_1) {
+          uint32_t qh0, qh1;
+          std::memcpy(&qh0, b0 + kQs - 4, 4);
+          std::memcpy(&qh1, b1 + kQs - 4, 4);
+          u.lo[h] = _mm256_add_epi8(u.lo[h], bits_to_16s((qh0 & 0xFFFF) | (qh1 << 16)));
+          u.hi[h] = _mm256_add_epi8(u.hi[h], bits_to_16s((qh0 >> 16) | (qh1 & 0xFFFF0000)));
+        }
       }
+      u.scale[h] = spread2(f16_at(b0), f16_at(b1));
+      u.minimum[h] = has_minimum(QT) ? spread2(f16_at(b0 + 2), f16_at(b1 + 2))
+                                     : _mm256_setzero_ps();
     }
-    u.scale[h] = spread2(f16_at(b0), f16_at(b1));
-    u.minimum[h] = has_minimum(QT) ? spread2(f16_at(b0 + 2), f16_at(b1 + 2))
-                                   : _mm256_setzero_ps();
-  }
-  return u;
+    return u;
   }
 }
 
