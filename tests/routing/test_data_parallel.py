@@ -66,28 +66,50 @@ def test_cache_aware_keeps_each_prefix_on_its_replica(dp_server):
     assert all(r["cache_hit_rate"] > 0 and r["cached_kv_tokens"] > 0 for r in replicas)
 
 
-def test_killed_replica_fails_only_its_requests(dp_server):
-    victim = _replicas(dp_server)[1]["scheduler_pid"]
-    long = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
+@pytest.fixture
+def rr_server(make_tiny_model):
+    """Two fresh replicas taking requests in turn, so each surely gets half (under the shared
+    server's cache-aware policy, where a request goes depends on what earlier tests sent)."""
+    with running_server(make_tiny_model("llama"), *SERVER_FLAGS, "--dp-size", "2",
+                        "--load-balance-method", "round_robin") as server:
+        yield server.url
+
+
+LONG = 900  # tokens per request: none can finish between the wait below and the kill
+
+
+def test_killed_replica_fails_only_its_requests(rr_server):
+    victim = _replicas(rr_server)[1]["scheduler_pid"]
+    long = {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True}
+    seen: list[list[dict]] = []
+
+    def both_running() -> bool:
+        seen.append(_replicas(rr_server))
+        return len(seen[-1]) == 2 and all(r["num_running_reqs"] > 0 for r in seen[-1])
+
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_generate, dp_server, f"{PROMPTS[i % 4]} {i}", long)
+        futures = [pool.submit(_generate, rr_server, f"{PROMPTS[i % 4]} {i}", long)
                    for i in range(8)]
-        _wait(lambda: all(r["num_running_reqs"] > 0 for r in _replicas(dp_server)),
-              "both replicas running requests")
+        _wait(both_running, "both replicas running requests")
+        at_kill = seen[-1]
+        assert at_kill[1]["scheduler_pid"] == victim, at_kill
         os.kill(victim, signal.SIGKILL)
         answers = [f.result(timeout=CLIENT_TIMEOUT_S) for f in futures]
+    codes = [a.status_code for a in answers]
+    context = f"status codes {codes}; replicas when killed: {at_kill}"
     ok = [a for a in answers if a.status_code == 200]
     failed = [a for a in answers if a.status_code != 200]
-    assert ok and failed, [a.status_code for a in answers]
+    # Round robin put four requests on each replica; those of the killed one were all in flight.
+    assert len(ok) == 4 and len(failed) == 4, context
     for a in ok:
-        assert a.json()["meta_info"]["completion_tokens"] == 300
+        assert a.json()["meta_info"]["completion_tokens"] == LONG, context
     for a in failed:
-        assert a.status_code == 503
-        assert "scheduler process died" in a.json()["error"]["message"]
-    assert _generate(dp_server, PROMPTS[0]).status_code == 200  # the other replica serves
-    _wait(lambda: httpx.get(dp_server + "/get_server_info", timeout=CLIENT_TIMEOUT_S).json()
+        assert a.status_code == 503, context
+        assert "scheduler process died" in a.json()["error"]["message"], context
+    assert _generate(rr_server, PROMPTS[0]).status_code == 200  # the other replica serves
+    _wait(lambda: httpx.get(rr_server + "/get_server_info", timeout=CLIENT_TIMEOUT_S).json()
           .get("replicas_serving") == 2, "the killed replica restarted")
-    assert _replicas(dp_server)[1]["scheduler_pid"] != victim
+    assert _replicas(rr_server)[1]["scheduler_pid"] != victim
 
 
 def _wait(check, what: str, timeout_s: float = CLIENT_TIMEOUT_S) -> None:

@@ -21,6 +21,7 @@ SERVER_FLAGS = ("--context-length", "1024", "--max-total-tokens", "16384")
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a galaxy far away", "Hello, my name"]
 CLIENT_TIMEOUT_S = 300.0  # an answer that takes longer has hung
+LONG = 800  # new tokens of the killed-worker test's requests
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,9 @@ def test_killed_worker_loses_no_request(workers, make_tiny_model):
     victim = ServerProcess(make_tiny_model("llama"), [*SERVER_FLAGS])
     try:
         victim.wait_ready()
-        long = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+        # Long enough that no request of the victim can finish between the first reaching it
+        # and the kill, however busy the machine: each one in flight there must be retried.
+        long = {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True}
         with running_router("--worker-urls", survivor, victim.url, "--policy", "round_robin",
                             "--health-check-interval", "1") as router:
             def plain(i: int) -> httpx.Response:
@@ -177,7 +180,7 @@ def test_killed_worker_loses_no_request(workers, make_tiny_model):
             for r in answers:
                 assert r.status_code == 200, r.text
                 assert r.headers[WORKER_HEADER] == survivor
-                assert r.json()["meta_info"]["completion_tokens"] == 200
+                assert r.json()["meta_info"]["completion_tokens"] == LONG
             for worker, events in stream_results:
                 assert events[-1] == "[DONE]"
                 last = json.loads(events[-2])
