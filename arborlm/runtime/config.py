@@ -2,122 +2,45 @@
 
 `EngineArgs` holds what the user sets (names follow SGLang's server arguments); `resolve()`
 turns "auto" values into concrete ones and returns a frozen `EngineConfig`. The field docs
-(`option`) double as CLI help (see `arborlm.server`). `ModelConfig` is what the runtime needs
-to know about a checkpoint, read from its `config.json` (or a GGUF file's metadata).
+(`option`) double as CLI help (see `arborlm.server`).
 
-The options with a fixed set of values are declared here once, as `StrEnum`s (`EngineMode`,
-`DType`, `AttentionBackend`, `SchedulePolicy`, `GrammarBackendName`); the CLI's `choices=`, the
-server's options and `resolve()`'s checks all read them (`choices`, `check_choice`). Fields keep
-plain `str` values: a member equals its value.
+Two modules hold the rest, and this one re-exports their names, so importers need only
+`arborlm.runtime.config`: `options` declares the options with a fixed set of values once, as
+`StrEnum`s, with `choices` / `check_choice` (the CLI's `choices=`, the server's options and
+`resolve()`'s checks all read them); `model_config` has `ModelConfig`, what the runtime needs
+to know about a checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from arborlm.constrained import GRAMMAR_BACKENDS
-from arborlm.errors import InvalidRequestError, ModelLoadError
+from arborlm.errors import InvalidRequestError
+from arborlm.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from arborlm.runtime.options import (
+    DTYPES,
+    MAX_DRAFT_TOKENS,
+    MAX_NGRAM_WINDOW,
+    AttentionBackend,
+    DType,
+    EngineMode,
+    GrammarBackendName,
+    Quantization,
+    SchedulePolicy,
+    SpeculativeAlgorithm,
+    check_choice,
+    choices,
+    option,
+)
 from arborlm.runtime.platforms.cpu.capabilities import has_native_bf16, kernel_instructions
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-
-class EngineMode(enum.StrEnum):
-    """Where the scheduler runs: a thread of the caller's process, or child processes."""
-
-    INPROCESS = "inprocess"
-    MULTIPROCESS = "multiprocess"
-
-
-class DType(enum.StrEnum):
-    """Weight and activation dtype; `auto` is resolved from the CPU and the checkpoint."""
-
-    AUTO = "auto"
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
-class AttentionBackend(enum.StrEnum):
-    """Attention implementation; `auto` is resolved from the device (`resolve()`)."""
-
-    AUTO = "auto"
-    TORCH_NATIVE = "torch_native"
-    TRITON = "triton"
-    FLASHINFER = "flashinfer"
-
-
-class SchedulePolicy(enum.StrEnum):
-    """Order of the scheduler's waiting queue (see `scheduler/policy.py`)."""
-
-    FCFS = "fcfs"
-    LPM = "lpm"
-    DFS_WEIGHT = "dfs-weight"
-
-
-class Quantization(enum.StrEnum):
-    """`quantization`: a GGUF block type a float checkpoint's linears are quantized to at load,
-    or `gguf`, a GGUF file's quantized linears kept as the file packs them."""
-
-    Q8_0 = "q8_0"
-    Q4_0 = "q4_0"
-    Q4_1 = "q4_1"
-    Q5_0 = "q5_0"
-    Q5_1 = "q5_1"
-    Q4_K = "q4_k"
-    Q6_K = "q6_k"
-    GGUF = "gguf"
-
-
-# The grammar engines, as `arborlm.constrained` (their registry) names them.
-GrammarBackendName = enum.StrEnum(
-    "GrammarBackendName", {name.upper(): name for name in GRAMMAR_BACKENDS})
-
-DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
-          DType.FLOAT16: torch.float16}
-
-
-class SpeculativeAlgorithm(enum.StrEnum):
-    NGRAM = "NGRAM"
-    STANDALONE = "STANDALONE"
-
-
-# Limits on the speculative options.
-MAX_DRAFT_TOKENS = 64
-MAX_NGRAM_WINDOW = 64
-
-
-def choices(kind: type[enum.StrEnum]) -> tuple[str, ...]:
-    """The values of `kind` as plain strings, in declaration order (argparse `choices=`)."""
-    return tuple(member.value for member in kind)
-
-
-def check_choice(kind: type[enum.StrEnum], value: str, param: str) -> str:
-    """`value` when it is one of `kind`'s values, else `InvalidRequestError` naming `param`."""
-    allowed = choices(kind)
-    if value not in allowed:
-        raise InvalidRequestError(f"{param} must be one of {', '.join(allowed)}, got {value!r}",
-                                  param)
-    return value
-
-
-def option(text: str, **kw: Any) -> Any:
-    """A dataclass field whose `help` metadata documents it (the CLI's help text)."""
-    return field(metadata={"help": text}, **kw)
+__all__ = ["DTYPES", "MAX_DRAFT_TOKENS", "MAX_NGRAM_WINDOW", "SUPPORTED_ARCHITECTURES",
+           "AttentionBackend", "DType", "EngineArgs", "EngineConfig", "EngineMode",
+           "GrammarBackendName", "ModelConfig", "Quantization", "SchedulePolicy",
+           "SpeculativeAlgorithm", "check_choice", "choices", "option"]
 
 
 @dataclass(frozen=True)
@@ -435,92 +358,3 @@ class EngineConfig:
     tokenizer_path: str
     deterministic: bool = False  # enable_deterministic_inference, resolved (see `EngineArgs`)
     draft_model: ModelConfig | None = None  # speculative_algorithm STANDALONE's draft model
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The parts of a Hugging Face `config.json` the runtime uses."""
-
-    path: str  # the model directory, or the GGUF file
-    architecture: str  # "llama" | "qwen2" | "qwen3"
-    hf_config: dict[str, Any]
-    dtype: torch.dtype
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    context_length: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...] = ()
-
-    @classmethod
-    def from_path(cls, path: str | os.PathLike, dtype: str = "auto",
-                  context_length: int | None = None) -> ModelConfig:
-        p, hf = _read_hf_config(Path(path))
-        archs = hf.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
-                    None)
-        if arch is None:
-            raise ModelLoadError(
-                f"unsupported architecture {archs or hf.get('model_type')!r} in {p}; supported: "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-        num_heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-        ctx = hf.get("max_position_embeddings", 4096)
-        if context_length is not None:
-            ctx = context_length
-        return cls(
-            path=str(p),
-            architecture=arch,
-            hf_config=hf,
-            dtype=_resolve_dtype(dtype, hf),
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            context_length=ctx,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
-        )
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-
-def _read_hf_config(p: Path) -> tuple[Path, dict[str, Any]]:
-    """(the checkpoint's path, its Hugging Face config dict): a directory's `config.json`, or
-    the metadata of a GGUF file (`p` itself, or the one `.gguf` in directory `p`)."""
-    from arborlm.runtime.models.gguf.files import find_gguf_file
-
-    gguf_file = find_gguf_file(p)
-    if gguf_file is not None:
-        from arborlm.runtime.models.gguf.metadata import hf_config_from_gguf
-
-        return gguf_file, hf_config_from_gguf(gguf_file)
-    if not p.is_dir():
-        raise ModelLoadError(f"model directory not found: {p}")
-    cfg_file = p / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"no config.json in model directory {p}")
-    try:
-        return p, json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"config.json in {p} is not valid JSON: {e}") from e
-
-
-def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
-    if check_choice(DType, dtype, "dtype") == DType.AUTO:
-        name = hf.get("torch_dtype") or hf.get("dtype") or DType.FLOAT32
-        return DTYPES.get(name, torch.float32)
-    return DTYPES[dtype]
