@@ -102,9 +102,11 @@ def _seconds_per_token(url: str) -> tuple[float, float, float]:
 
 
 def _refused(url: str) -> bool:
+    """Whether a new connection goes unserved: refused, or (one the kernel accepted into the
+    listening socket's backlog just before the server closed it) reset before any answer."""
     try:
         httpx.get(url + "/health", timeout=CLIENT_TIMEOUT_S)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return True
     return False
 
