@@ -124,19 +124,34 @@ class XGrammarMatcher(GrammarMatcher):
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
+        # The last mask filled, with the state it was filled in: the decode loop fills the same
+        # state twice when jump-forward finds nothing forced (its probe, then the next step's
+        # mask), and the second fill is then a copy. `_state` changes with every accepted
+        # token, rollback and reset.
+        self._state = 0
+        self._filled: tuple[int, torch.Tensor] | None = None
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self._matcher.accept_token(int(token_id)))
+        accepted = bool(self._matcher.accept_token(int(token_id)))
+        self._state += accepted
+        return accepted
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        filled = self._filled
+        if filled is not None and filled[0] == self._state and \
+                filled[1].shape == bitmask[row].shape:
+            bitmask[row].copy_(filled[1])
+            return
         if self._matcher.is_terminated():
             bitmask[row].zero_()
-            return
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._filled = (self._state, bitmask[row].clone())
 
     def rollback(self, n: int) -> None:
         if n:
             self._matcher.rollback(n)
+            self._state += 1
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
@@ -154,6 +169,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._matcher.reset()
+        self._state += 1
 
 
 def narrow_char_classes(ebnf: str, excluded: str = _SURROGATES) -> str:

@@ -71,3 +71,51 @@ def test_no_rows_is_a_no_op() -> None:
     before = logits.clone()
     apply_token_bitmask_(logits, torch.zeros(2, 2, dtype=torch.int32), [])
     assert torch.equal(logits, before)
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def float32_path(request, monkeypatch) -> str:
+    """float32 logits through the C++ kernel (skipped where the operators cannot be built) or
+    through the numpy path it replaces."""
+    from arborlm.constrained import bitmask
+    from arborlm.runtime.platforms.cpu import kernels
+
+    if request.param == "kernel":
+        if not kernels.token_bitmask_available():
+            pytest.skip("the CPU operators are not built here")
+        calls = []
+        real = kernels.apply_token_bitmask
+        monkeypatch.setattr(kernels, "apply_token_bitmask",
+                            lambda *args: (calls.append(args), real(*args)))
+        yield request.param
+        assert calls, "the kernel was not used"
+    else:
+        monkeypatch.setattr(bitmask, "_kernel_available", lambda: False)
+        yield request.param
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 33, 300, 49157])
+def test_float32_paths_match_the_reference(float32_path: str, vocab: int) -> None:
+    """Vocabularies that end inside a 16-lane vector and inside a 32-bit word."""
+    mask = _mask(3, vocab, 0.3, seed=vocab)
+    logits = torch.randn(3, vocab)
+    rows = [0, 2]
+    if vocab > 1000:  # the reference, vectorized per row
+        expected = logits.clone()
+        for r in rows:
+            bits = torch.tensor([(int(mask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)])
+            expected[r, bits == 0] = float("-inf")
+    else:
+        expected = _reference(logits, mask, rows)
+    apply_token_bitmask_(logits, mask, rows)
+    assert torch.equal(logits, expected)
+
+
+def test_kernel_rejects_a_row_outside_the_batch() -> None:
+    from arborlm.runtime.platforms.cpu import kernels
+
+    if not kernels.token_bitmask_available():
+        pytest.skip("the CPU operators are not built here")
+    with pytest.raises(RuntimeError, match="row 2 outside"):
+        kernels.apply_token_bitmask(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32),
+                                    [2], 64)

@@ -347,6 +347,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.arborlm.argmax_rows(x)
 
 
+def token_bitmask_available() -> bool:
+    """Whether `apply_token_bitmask` runs here (the operators built: an x86-64 C++ compiler;
+    AVX-512 is used where the CPU has it)."""
+    return packed_linear_available()
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                        covered: int) -> None:
+    """logits[r, t] = -inf where bit t of bitmask[r] is 0, for each r in `rows` and t <
+    `covered`; logits `[B, V]` float32 with contiguous rows, bitmask `[B, W]` int32
+    contiguous. `token_bitmask_available()` must hold."""
+    torch.ops.arborlm.apply_token_bitmask(logits, bitmask, rows, covered)
+
+
 PANEL_COLUMNS = 32  # output columns per panel (`csrc/panel_gemm.cpp`)
 
 
