@@ -55,6 +55,32 @@ MAX_JUMP_FORWARD_TOKENS = 64
 ANY_WHITESPACE_MAX_RUN = 24
 
 
+class LastMask:
+    """A matcher's last filled mask row and the state it was filled in, so that a second fill
+    in the same state is a copy: the decode loop fills each state twice when jump-forward finds
+    nothing forced (its probe, then the next step's mask). The matcher calls `changed()` on
+    every accepted token, rollback and reset."""
+
+    def __init__(self) -> None:
+        self._state = 0
+        self._filled: tuple[int, torch.Tensor] | None = None
+
+    def changed(self) -> None:
+        self._state += 1
+
+    def copy_into(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the kept row into `bitmask[row]` if it is this state's; whether it was."""
+        filled = self._filled
+        if filled is None or filled[0] != self._state or filled[1].shape != bitmask[row].shape:
+            return False
+        bitmask[row].copy_(filled[1])
+        return True
+
+    def keep(self, bitmask: torch.Tensor, row: int) -> None:
+        """`bitmask[row]` was just filled in the current state."""
+        self._filled = (self._state, bitmask[row].clone())
+
+
 class GrammarMatcher(abc.ABC):
     """Per-request state of one grammar: which tokens may come next.
 

@@ -32,6 +32,7 @@ from arborlm.constrained.base import (
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
+    LastMask,
     parse_choices,
 )
 from arborlm.constrained.guarded_matcher import guarded
@@ -135,12 +136,15 @@ class OutlinesMatcher(GrammarMatcher):
         self._terminated = False
         self.vocab_size = vocab.vocab_size
         self.stop_token_ids = vocab.stop_token_ids
+        self._last_mask = LastMask()
 
     def accept_token(self, token_id: int) -> bool:
         if self._terminated:
             return False
         if token_id in self.stop_token_ids:
             self._terminated = self._guide.is_finished()
+            if self._terminated:
+                self._last_mask.changed()
             return self._terminated
         if not 0 <= token_id < len(self._vocab.decoded) or not self._vocab.decoded[token_id]:
             return False
@@ -149,21 +153,26 @@ class OutlinesMatcher(GrammarMatcher):
         except ValueError:
             return False
         self._history.append(token_id)
+        self._last_mask.changed()
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"
+        if self._last_mask.copy_into(bitmask, row):
+            return
         target = bitmask[row]  # [ceil(V/32)]
         assert target.is_contiguous()
         target.zero_()
-        if self._terminated:
-            return
-        self._guide.write_mask_into(target.data_ptr(), target.numel(), 4)
-        if self._guide.is_finished():
-            for token_id in self.stop_token_ids:
-                target[token_id // 32] |= _bit(token_id % 32)
+        if not self._terminated:
+            self._guide.write_mask_into(target.data_ptr(), target.numel(), 4)
+            if self._guide.is_finished():
+                for token_id in self.stop_token_ids:
+                    target[token_id // 32] |= _bit(token_id % 32)
+        self._last_mask.keep(bitmask, row)
 
     def rollback(self, n: int) -> None:
+        if n:
+            self._last_mask.changed()
         if n and self._terminated:
             self._terminated = False
             n -= 1
@@ -196,6 +205,7 @@ class OutlinesMatcher(GrammarMatcher):
         self._guide.reset()
         self._history.clear()
         self._terminated = False
+        self._last_mask.changed()
 
 
 def _bit(position: int) -> int:

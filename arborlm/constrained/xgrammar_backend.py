@@ -32,6 +32,7 @@ from arborlm.constrained.base import (
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
+    LastMask,
     parse_choices,
 )
 from arborlm.constrained.guarded_matcher import guarded
@@ -124,34 +125,27 @@ class XGrammarMatcher(GrammarMatcher):
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        # The last mask filled, with the state it was filled in: the decode loop fills the same
-        # state twice when jump-forward finds nothing forced (its probe, then the next step's
-        # mask), and the second fill is then a copy. `_state` changes with every accepted
-        # token, rollback and reset.
-        self._state = 0
-        self._filled: tuple[int, torch.Tensor] | None = None
+        self._last_mask = LastMask()
 
     def accept_token(self, token_id: int) -> bool:
         accepted = bool(self._matcher.accept_token(int(token_id)))
-        self._state += accepted
+        if accepted:
+            self._last_mask.changed()
         return accepted
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        filled = self._filled
-        if filled is not None and filled[0] == self._state and \
-                filled[1].shape == bitmask[row].shape:
-            bitmask[row].copy_(filled[1])
+        if self._last_mask.copy_into(bitmask, row):
             return
         if self._matcher.is_terminated():
             bitmask[row].zero_()
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
-        self._filled = (self._state, bitmask[row].clone())
+        self._last_mask.keep(bitmask, row)
 
     def rollback(self, n: int) -> None:
         if n:
             self._matcher.rollback(n)
-            self._state += 1
+            self._last_mask.changed()
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
@@ -169,7 +163,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._matcher.reset()
-        self._state += 1
+        self._last_mask.changed()
 
 
 def narrow_char_classes(ebnf: str, excluded: str = _SURROGATES) -> str:

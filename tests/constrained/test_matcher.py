@@ -186,40 +186,49 @@ def test_jump_forward_keeps_greedy_output_and_saves_steps(backend: GrammarBacken
         assert jumped_steps < plain_steps  # decode steps saved
 
 
-def test_xgrammar_mask_reuse_follows_every_state_change(xgrammar: GrammarBackend) -> None:
-    """The xgrammar matcher copies its last mask when asked again in the same state (the
-    decode loop's jump-forward probe, then the step's mask): after each accept, rejected
-    accept, rollback, reset and the stop token, every fill, first or repeated, equals a fresh
-    fill by xgrammar itself."""
-    compiled = xgrammar.compile("json_schema", PERSON)
-    result = generate(compiled.matcher(), xgrammar.vocab, seed=5,
-                      bias=closing_bias(xgrammar.vocab))
+def test_mask_reuse_follows_every_state_change(backend: GrammarBackend) -> None:
+    """A matcher copies its last mask when asked again in the same state (the decode loop's
+    jump-forward probe, then the step's mask): after each accept, rejected accept, rollback,
+    reset and the stop token, every fill, first or repeated, equals that of a fresh matcher
+    given the same tokens."""
+    compiled = backend.compile("json_schema", PERSON)
+    result = generate(compiled.matcher(), backend.vocab, seed=5,
+                      bias=closing_bias(backend.vocab))
     matcher = compiled.matcher()
+    taken: list[int] = []
     width = (VOCAB + 31) // 32
 
     def check() -> None:
-        fresh = allocate_token_bitmask(1, VOCAB)
-        if matcher._matcher.is_terminated():
-            fresh.zero_()
-        else:
-            matcher._matcher.fill_next_token_bitmask(fresh, 0)
+        fresh = compiled.matcher()
+        for token in taken:
+            assert fresh.accept_token(token)
+        expected = allocate_token_bitmask(1, VOCAB)
+        fresh.fill_bitmask(expected, 0)
         for _ in range(2):  # the second fill is the copy
             got = torch.full((2, width), 7, dtype=torch.int32)
             matcher.fill_bitmask(got, 1)
-            assert torch.equal(got[1], fresh[0])
+            assert torch.equal(got[1], expected[0])
 
     for token in result.token_ids:
         check()
         assert not matcher.accept_token(EOS)  # the object is not complete: state unchanged
         check()
         assert matcher.accept_token(token)
+        taken.append(token)
     check()
     matcher.rollback(3)
+    del taken[-3:]
     check()
     for token in result.token_ids[-3:]:
         assert matcher.accept_token(token)
+        taken.append(token)
     check()
     assert matcher.accept_token(EOS) and matcher.is_terminated()
+    taken.append(EOS)
+    check()
+    matcher.rollback(1)
+    taken.pop()
     check()
     matcher.reset()
+    taken.clear()
     check()
