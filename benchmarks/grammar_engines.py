@@ -10,7 +10,9 @@ rewrites and all); torch on one thread, xgrammar compiling with up to 4 of its o
    `--tokens` tokens per compiled schema from seeded noise;
 3. apply: cost of masking the logits with real masks gathered in (2) for the first backend,
    batch 1 and 32, for xgrammar's CPU kernel, the numpy unpack path, a plain torch unpack,
-   and ArborLM's `apply_token_bitmask_` (the numpy path plus its argument handling).
+   ArborLM's C++ kernel (`cpu_kernels.apply_token_bitmask`, where the operators build) and
+   `apply_token_bitmask_` (what the decode loop calls: the C++ kernel there, else numpy, plus
+   its argument handling).
 
     python benchmarks/grammar_engines.py                   # 60 schemas, both backends
     python benchmarks/grammar_engines.py --n 300 --timeout 30
@@ -117,6 +119,11 @@ def apply_rows(masks: list[torch.Tensor], vocab: int) -> list[tuple]:
         "torch unpack": torch_unpack_apply,
         "apply_token_bitmask_ (ArborLM)": apply_token_bitmask_,
     }
+    from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+
+    if cpu_kernels.token_bitmask_available():
+        kernels["C++ kernel (ArborLM)"] = lambda lg, bm: cpu_kernels.apply_token_bitmask(
+            lg, bm, list(range(lg.shape[0])), vocab)
     rng = random.Random(0)
     rows = []
     for batch in (1, 32):

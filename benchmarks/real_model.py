@@ -23,10 +23,12 @@ gguf`) and every file runs on both sides: the default Q4_1 file and each `--gguf
 example Q8_0 and Q4_K_M files made with llama.cpp's own tools, see docs/performance.md), ArborLM
 on a file paired with llama.cpp on the same file. `--random-q4-0` adds the issue's last check,
 without llama.cpp: a random-weight 125M Llama (`cpu_vs_llamacpp.MODELS["125M"]`), ArborLM with
-`--quantization q4_0` paired with the same checkpoint in bfloat16, batch-1 decode.
+`--quantization q4_0` paired with the same checkpoint in bfloat16, batch-1 decode;
+`--random-q4-0-only` runs that check alone.
 
     python benchmarks/real_model.py --quantization gguf --gguf Q8_0.gguf Q4_K_M.gguf \
         --dtypes bfloat16 --threads 2 --repeats 3 [--random-q4-0]
+    python benchmarks/real_model.py --random-q4-0-only --threads 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -215,6 +217,8 @@ def main() -> None:
                     help="with --quantization gguf: more GGUF files of the same model")
     ap.add_argument("--random-q4-0", action="store_true",
                     help="also a random 125M Llama: --quantization q4_0 against bfloat16")
+    ap.add_argument("--random-q4-0-only", action="store_true",
+                    help="only that check (no llama.cpp needed)")
     ap.add_argument("--only", nargs="*", default=None, help="workloads (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -224,9 +228,12 @@ def main() -> None:
     vocab = 49152
     print(f"{path.name}; threads {args.threads}; repeats {args.repeats} (medians); "
           f"load average {os.getloadavg()[0]:.1f}")
-    rows = packed_rows(args, path, vocab) if args.quantization else \
-        dequantized_rows(args, path, vocab)
-    if args.random_q4_0:
+    if args.random_q4_0_only:
+        rows = []
+    else:
+        rows = packed_rows(args, path, vocab) if args.quantization else \
+            dequantized_rows(args, path, vocab)
+    if args.random_q4_0 or args.random_q4_0_only:
         rows += random_q4_0_rows(args)
     print(table(rows, ("workload", "ours", "figure", "peer", "figure", "ratio")))
     print(f"load average now {os.getloadavg()[0]:.1f}")

@@ -6,15 +6,14 @@ masked tokens become -inf, rows without a grammar stay untouched, and logits col
 mask (a model vocabulary padded beyond the grammar's) are masked too.
 
 On CPU, float32 logits (what the decode loop samples from) go to ArborLM's C++ kernel
-(`cpu_kernels.apply_token_bitmask`: 16 logits per masked store, ~1 us a row of 49,152 against
-~22 us for the numpy path), where the operators are built. Otherwise the bits are unpacked with
-numpy and -inf is written through an integer view of each row (`np.copyto(..., where=bit ==
-0)`), which costs the same for any mask. With real JSON masks that is faster than a plain torch
-unpack and than xgrammar's `apply_token_bitmask_inplace` CPU kernel, which skips words whose 32
-tokens are all allowed but walks the bits of every other word (real masks are either nearly all
-masked or allowed with scattered holes, so most words get walked); `benchmarks/
-grammar_engines.py` compares them (figures in docs/performance.md). On a GPU the mask is copied
-over and xgrammar's GPU kernel applies it.
+(`cpu_kernels.apply_token_bitmask`: one masked store per 16 logits), where the operators are
+built. Otherwise the bits are unpacked with numpy and -inf is written through an integer view of
+each row (`np.copyto(..., where=bit == 0)`), which costs the same for any mask. Both are faster
+than a plain torch unpack and than xgrammar's `apply_token_bitmask_inplace` CPU kernel, which
+skips words whose 32 tokens are all allowed but walks the bits of every other word (real masks
+are either nearly all masked or allowed with scattered holes, so most words get walked);
+`benchmarks/grammar_engines.py` compares them (figures in docs/performance.md). On a GPU the
+mask is copied over and xgrammar's GPU kernel applies it.
 This module does not fill masks; matchers do.
 """
 
