@@ -63,22 +63,26 @@ class LastMask:
 
     def __init__(self) -> None:
         self._state = 0
-        self._filled: tuple[int, torch.Tensor] | None = None
+        self._kept_state = -1  # the state `_row` holds the mask of (-1: none)
+        self._row: torch.Tensor | None = None  # [W] int32, reused from fill to fill
 
     def changed(self) -> None:
         self._state += 1
 
     def copy_into(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the kept row into `bitmask[row]` if it is this state's; whether it was."""
-        filled = self._filled
-        if filled is None or filled[0] != self._state or filled[1].shape != bitmask[row].shape:
+        kept = self._row
+        if self._kept_state != self._state or kept is None or kept.shape != bitmask[row].shape:
             return False
-        bitmask[row].copy_(filled[1])
+        bitmask[row].copy_(kept)
         return True
 
     def keep(self, bitmask: torch.Tensor, row: int) -> None:
         """`bitmask[row]` was just filled in the current state."""
-        self._filled = (self._state, bitmask[row].clone())
+        if self._row is None or self._row.shape != bitmask[row].shape:
+            self._row = torch.empty_like(bitmask[row])
+        self._row.copy_(bitmask[row])
+        self._kept_state = self._state
 
 
 class GrammarMatcher(abc.ABC):

@@ -232,3 +232,40 @@ def test_mask_reuse_follows_every_state_change(backend: GrammarBackend) -> None:
     matcher.reset()
     taken.clear()
     check()
+
+
+class _CountedFills:
+    """A grammar engine's object with its mask-writing method counted (the rest passed on)."""
+
+    def __init__(self, inner, method: str) -> None:
+        self._inner, self._method, self.calls = inner, method, 0
+
+    def __getattr__(self, name: str):
+        value = getattr(self._inner, name)
+        if name != self._method:
+            return value
+
+        def counted(*args):
+            self.calls += 1
+            return value(*args)
+
+        return counted
+
+
+def test_a_second_fill_in_the_same_state_does_not_ask_the_engine(backend: GrammarBackend,
+                                                                  tokenizer) -> None:
+    matcher = backend.compile("json_schema", PERSON).matcher()
+    attr, method = (("_matcher", "fill_next_token_bitmask") if backend.name == "xgrammar"
+                    else ("_guide", "write_mask_into"))
+    engine = _CountedFills(getattr(matcher, attr), method)
+    setattr(matcher, attr, engine)
+    mask = allocate_token_bitmask(1, VOCAB)
+    matcher.fill_bitmask(mask, 0)
+    matcher.fill_bitmask(mask, 0)
+    assert engine.calls == 1
+    assert not matcher.accept_token(tokenizer.encode("x", add_special_tokens=False)[0])
+    matcher.fill_bitmask(mask, 0)  # a rejected token leaves the state, and the mask, as it was
+    assert engine.calls == 1
+    assert matcher.accept_token(tokenizer.encode("{", add_special_tokens=False)[0])
+    matcher.fill_bitmask(mask, 0)
+    assert engine.calls == 2

@@ -81,17 +81,17 @@ LONG = 900  # tokens per request: none can finish between the wait below and the
 def test_killed_replica_fails_only_its_requests(rr_server):
     victim = _replicas(rr_server)[1]["scheduler_pid"]
     long = {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True}
-    seen: list[list[dict]] = []
+    seen: list[dict] = []  # the replicas as last polled
 
     def both_running() -> bool:
-        seen.append(_replicas(rr_server))
-        return len(seen[-1]) == 2 and all(r["num_running_reqs"] > 0 for r in seen[-1])
+        seen[:] = _replicas(rr_server)
+        return len(seen) == 2 and all(r["num_running_reqs"] > 0 for r in seen)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_generate, rr_server, f"{PROMPTS[i % 4]} {i}", long)
                    for i in range(8)]
         _wait(both_running, "both replicas running requests")
-        at_kill = seen[-1]
+        at_kill = list(seen)
         assert at_kill[1]["scheduler_pid"] == victim, at_kill
         os.kill(victim, signal.SIGKILL)
         answers = [f.result(timeout=CLIENT_TIMEOUT_S) for f in futures]
