@@ -63,7 +63,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("panel_gemm.cpp", "decode_attention.cpp", "elementwise.cpp",
                                     "packed_linear.cpp", "decode_step.cpp",
-                                    "prefill_attention.cpp", "quant_linear.cpp", "quant_wide.cpp")]
+                                    "prefill_attention.cpp", "quant_linear.cpp", "quant_wide.cpp",
+                                    "thread_pool.cpp")]
 # The cache entry's name carries a hash of every source and header: the builder itself hashes
 # only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
 EXTENSION_NAME = "arborlm_cpu_kernels_" + hashlib.sha256(

@@ -42,6 +42,7 @@
 
 #include "kernels.h"
 #include "vec_math.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -399,7 +400,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   const RowFn row = pick_row<T>(group, dim);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
     for (int64_t n = begin; n < end; ++n) {
       row(qp + n * group * dim, kp + n * k_row, vp + n * v_row, nullptr, k_key,
@@ -555,7 +556,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
     runs.push_back(batch);
     const int64_t run_grain = std::max<int64_t>(
         1, kMinWorkPerThread / std::max<int64_t>(per_run * most * group * dim, 1));
-    at::parallel_for(0, nruns * kv_heads, run_grain, [&](int64_t begin, int64_t end) {
+    arborlm_cpu::parallel_for(0, nruns * kv_heads, run_grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(static_cast<size_t>(per_run * group * most));
       for (int64_t n = begin; n < end; ++n) {
         const int64_t r = n / kv_heads, h = n % kv_heads, b = runs[r];
@@ -568,7 +569,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
     return;
   }
   // Rows n = b * Hkv + h: request b's KV head h; key j at pool row slots[b, j], head h.
-  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(group * std::max<int64_t>(most, 1)));
     std::vector<float> lse(static_cast<size_t>(group));
     for (int64_t n = begin; n < end; ++n) {

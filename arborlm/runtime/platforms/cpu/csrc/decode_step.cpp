@@ -54,6 +54,7 @@
 #include "kernels.h"
 #include "row_ops.h"
 #include "vec_math.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -159,7 +160,7 @@ void each_row(int64_t rows, const Fn& fn) {
     for (int64_t b = 0; b < rows; ++b) fn(b);
     return;
   }
-  at::parallel_for(0, rows, kGlueRowsPerThread, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, rows, kGlueRowsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) fn(b);
   });
 }
@@ -212,6 +213,21 @@ struct Inputs {
   bool cascade;
   Cascade groups;
 };
+
+
+// `y` as float32: the logits' widening, on the kernels' pool (torch's copy would wake OpenMP's
+// threads, which then spin beside the pool's for the rest of the step).
+at::Tensor widen_rows(const at::Tensor& y) {
+  if (y.scalar_type() == at::kFloat) return y;
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous());
+  at::Tensor out = at::empty(y.sizes(), y.options().dtype(at::kFloat));
+  const auto* src = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+  arborlm_cpu::parallel_for(0, y.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;
+  });
+  return out;
+}
 
 template <typename T>
 at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& position,
@@ -305,7 +321,7 @@ at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& pos
     if (x.defined()) add_into(x.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
     rms_norm(r + b * hidden, final_norm.data_ptr<T>(), hp + b * hidden, hidden, fe);
   });
-  return apply(w, in.linears[4 * layers], h, embed.size(0), in.path).to(at::kFloat);  // [rows, V]
+  return widen_rows(apply(w, in.linears[4 * layers], h, embed.size(0), in.path));  // [rows, V]
 }
 
 // A packed record (see the top of this file): the weight it computes, its kind, its parts.

@@ -28,6 +28,7 @@
 #include "kernels.h"
 #include "row_ops.h"
 #include "vec_math.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -47,7 +48,7 @@ void norm_rows(const at::Tensor& x, T* rp, int64_t r_row, const at::Tensor& weig
   T* op = out.data_ptr<T>();
   const float fe = static_cast<float>(eps);
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* src = xp + t * x_row;
       if (rp != nullptr) {
@@ -98,7 +99,7 @@ void silu_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(inter, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       arborlm_cpu::silu_mul(gp + t * g_row, op + t * inter, inter);
   });
@@ -217,7 +218,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, 4 * kMinElementsPerThread / n);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       op[b] = wide ? argmax_row(xp + b * row, n) : argmax_row_scalar(xp + b * row, n);
   });

@@ -34,6 +34,7 @@
 
 #include "kernels.h"
 #include "vec_math.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -148,7 +149,7 @@ void for_each_tile(int64_t rows, int64_t panels, int64_t steps, int64_t panel_by
                    const char* base, const Tile& tile) {
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (rows + blocks - 1) / blocks;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item / blocks, r0 = item % blocks * block_rows;
       const int64_t r1 = std::min(rows, r0 + block_rows);

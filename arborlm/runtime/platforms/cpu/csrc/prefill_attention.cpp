@@ -53,6 +53,7 @@
 
 #include "kernels.h"
 #include "vec_math.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -287,7 +288,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
   // ([Hkv, S, D]; float32 values are read in place).
   std::vector<float> kfresh, vfresh;
   float* kpack = call_buffer(0, kv_heads * panels * dim * kKeys, kfresh);
-  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       pack_keys<T>(kpack + g * panels * dim * kKeys, keys, dim,
                    [&](int64_t key) { return kp + key * ks0 + g * ks1; });
@@ -295,7 +296,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
   float* vpack = nullptr;
   if constexpr (!std::is_same_v<T, float>) {
     vpack = call_buffer(1, kv_heads * keys * dim, vfresh);
-    at::parallel_for(0, kv_heads * keys, 64, [&](int64_t begin, int64_t end) {
+    arborlm_cpu::parallel_for(0, kv_heads * keys, 64, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t g = item / keys, key = item % keys;
         const T* src = vp + key * vs0 + g * vs1;
@@ -307,7 +308,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
 
   const int64_t blocks = (tokens + kQueryBlock - 1) / kQueryBlock;
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
     Scratch w(dim);
     int64_t visible[kQueryBlock];
     for (int64_t item = begin; item < end; ++item) {
@@ -358,7 +359,7 @@ void attend_prefix(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   std::vector<float> kfresh, vfresh;
   float* kpack = call_buffer(0, num_groups * kv_heads * panels * dim * kKeys, kfresh);
   float* vpack = call_buffer(1, num_groups * kv_heads * width * dim, vfresh);
-  at::parallel_for(0, num_groups * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, num_groups * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / kv_heads, h = item % kv_heads, count = prefix_lens[g];
       const int64_t* slots = sp + g * width;
@@ -380,7 +381,7 @@ void attend_prefix(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(dim);
     int64_t visible[kQueryBlock];
     for (int64_t i = begin; i < end; ++i) {

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "vec_math.h"
+#include "thread_pool.h"
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -74,7 +75,7 @@ template <typename Tile>
 void over_tiles(int64_t rows, int64_t out, const Tile& tile) {
   const int64_t width = rows <= kMaxRows ? 16 : kColTile;
   const int64_t tiles = (out + width - 1) / width;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t j0 = c * width, j1 = std::min(out, j0 + width);
       for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {

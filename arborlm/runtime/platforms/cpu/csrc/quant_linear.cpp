@@ -64,6 +64,7 @@
 
 #include "quant_common.h"
 #include "vec_math.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -160,7 +161,7 @@ void dequant_block(int64_t qtype, const uint8_t* row, int64_t b, float* y) {
 void portable(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
               int64_t row_bytes, int64_t out, const float* bias, float* y) {
   const int64_t blocks = in / 32;
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> deq(in);
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* row = w + j * row_bytes;
@@ -435,7 +436,7 @@ template <int QT>
 void avx2_linear(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
                  int64_t out, const float* bias, float* y) {
   // Grains of 16 outputs (four tiles of four), as "portable".
-  at::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, (out + 15) / 16, 1, [&](int64_t begin, int64_t end) {
     avx2_columns<QT>(x, rows, in, w, row_bytes, out, bias, y, 16 * begin,
                      std::min(out, 16 * end));
   });
@@ -591,7 +592,7 @@ void int_path(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
   int8_t* q2p = SPLIT ? q2.data() : nullptr;
   // Rows are contiguous and `in` a multiple of 32: block i is x[32 i .. 32 i + 32).
   auto* quantize = AVX2 ? &quantize_block_avx2 : &quantize_block;
-  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       quantize(x + i * 32, q.data() + i * 32, q2p ? q2p + i * 32 : nullptr, &d[i], &s[i]);
     }
@@ -759,7 +760,7 @@ void float_linear(const void* xv, int64_t rows, int64_t in, const uint8_t* w, in
   const int64_t blocks = in / 32;
   const int64_t groups = (out + kCols - 1) / kCols;
   const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
-  at::parallel_for(0, chunks * groups, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, chunks * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<E> buf(kCols * in);
     float part[kRows * kCols];
     for (int64_t item = begin; item < end; ++item) {
@@ -821,7 +822,7 @@ void float_path(int64_t qtype, const void* x, int64_t rows, int64_t in, const ui
 template <int QT>
 void dequant_rows_bf16(const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t n, int64_t in,
                        uint16_t* out) {
-  at::parallel_for(j0, j0 + n, 8, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(j0, j0 + n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       dequant_bf16<QT>(w + j * row_bytes, in / 32, out + (j - j0) * in);
     }

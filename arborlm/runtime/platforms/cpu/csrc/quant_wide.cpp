@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "quant_common.h"
+#include "thread_pool.h"
 
 namespace arborlm_quant {
 namespace {
@@ -73,7 +74,7 @@ WideActs wide_acts(const Activations& a, int64_t rows, int64_t qtype) {
   }
   w.d.assign(n * 16, 0.0f);
   w.s.assign(n * 16, 0.0f);
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / w.groups, g = i % w.groups;
       for (int k = 0; k < 4 && 4 * g + k < a.blocks; ++k) {

@@ -1,0 +1,200 @@
+// `arborlm_cpu::parallel_for`: the kernels' own thread pool (`thread_pool.h` says why).
+
+#include "thread_pool.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace arborlm_cpu {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long an idle worker spins before it sleeps (`ARBORLM_POOL_SPIN_US`).
+int64_t spin_us_from_env() {
+  const char* v = std::getenv("ARBORLM_POOL_SPIN_US");
+  if (v == nullptr || *v == '\0') return 1000;
+  char* end = nullptr;
+  const long long us = std::strtoll(v, &end, 10);
+  return end != v && us >= 0 ? static_cast<int64_t>(us) : 1000;
+}
+
+constexpr int kYieldEvery = 64;  // pause instructions between sched_yield calls of a spin
+// The machine counts as oversubscribed when, after its own chunks, the caller waited this long
+// for a worker's (and over a quarter of its own chunks' time, which a long region's imbalance
+// alone can reach): a worker was preempted holding a chunk. Workers then sleep at once after
+// each region, as OpenMP's passive policy does, for `kPassiveFor`, and spin again after.
+constexpr auto kContendedWait = std::chrono::microseconds(200);
+constexpr auto kPassiveFor = std::chrono::milliseconds(100);
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
+          nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+
+thread_local bool in_region = false;  // this thread is running a region's chunk
+
+class Pool {
+ public:
+  // Runs fn over [begin, end) in `tasks` chunks of `chunk` items on up to `tasks` threads, the
+  // caller one of them. Returns false when another thread's region holds the pool.
+  bool run(int64_t begin, int64_t end, int64_t chunk, int64_t tasks, const RangeFn& fn) {
+    std::unique_lock<std::mutex> hold(call_, std::try_to_lock);
+    if (!hold.owns_lock()) return false;
+    grow(tasks - 1);
+    fn_ = &fn;
+    begin_ = begin;
+    end_ = end;
+    chunk_ = chunk;
+    tasks_.store(tasks, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    error_ = nullptr;
+    const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
+    // Publishes the fields above: a worker reads them only after claiming a chunk of `gen`.
+    ticket_.store(gen << 32, std::memory_order_release);
+    signal_.fetch_add(1);
+    if (sleepers_.load() > 0) futex_wake_all(&signal_);
+    const auto start = Clock::now();
+    while (claim(gen)) {
+    }
+    // The chunks claimed by workers: spin (yielding) until they finish; a worker holding one
+    // was running a moment ago, so the wait is short unless the machine is oversubscribed.
+    if (done_.load(std::memory_order_acquire) != tasks) {
+      const auto mine_done = Clock::now();
+      for (int i = 1; done_.load(std::memory_order_acquire) != tasks; ++i) {
+        _mm_pause();
+        if (i % kYieldEvery == 0) sched_yield();
+      }
+      const auto waited = Clock::now() - mine_done;
+      if (waited > kContendedWait && waited * 4 > mine_done - start) {
+        passive_until_.store((Clock::now() + kPassiveFor).time_since_epoch().count(),
+                             std::memory_order_relaxed);
+      }
+    }
+    fn_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+
+ private:
+  // Claims and runs the next chunk of region `gen`; false when none is left (or `gen` is over).
+  bool claim(uint64_t gen) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    for (;;) {
+      const int64_t next = static_cast<int64_t>(t & 0xffffffffu);
+      if ((t >> 32) != gen || next >= tasks_.load(std::memory_order_relaxed)) return false;
+      if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) break;
+    }
+    const int64_t task = static_cast<int64_t>(t & 0xffffffffu);
+    const int64_t b = begin_ + task * chunk_;
+    const int64_t e = std::min(end_, b + chunk_);
+    in_region = true;
+    try {
+      if (b < e) (*fn_)(b, e);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(error_mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+    in_region = false;
+    done_.fetch_add(1, std::memory_order_acq_rel);
+    return true;
+  }
+
+  void grow(int64_t workers) {
+    while (static_cast<int64_t>(workers_) < workers) {
+      std::thread([this] { work(); }).detach();
+      ++workers_;
+    }
+  }
+
+  void work() {
+    uint32_t seen = signal_.load(std::memory_order_acquire);
+    for (;;) {
+      seen = wait_for_signal(seen);
+      const uint64_t gen = ticket_.load(std::memory_order_acquire) >> 32;
+      while (claim(gen)) {
+      }
+    }
+  }
+
+  // Waits until `signal_` moves past `seen`: spinning (yielding now and then, so that on a busy
+  // machine the threads that have work run) for up to `spin_us_`, then asleep on the futex; at
+  // once while the machine counts as oversubscribed (`kContendedWait`).
+  uint32_t wait_for_signal(uint32_t seen) {
+    const auto now = Clock::now();
+    const bool passive =
+        now.time_since_epoch().count() < passive_until_.load(std::memory_order_relaxed);
+    const auto until = now + std::chrono::microseconds(passive ? 0 : spin_us_);
+    for (int i = 1; !passive; ++i) {
+      const uint32_t sig = signal_.load(std::memory_order_acquire);
+      if (sig != seen) return sig;
+      _mm_pause();
+      if (i % kYieldEvery == 0) {
+        if (Clock::now() >= until) break;
+        sched_yield();
+      }
+    }
+    for (;;) {
+      // seq_cst with `run`'s bump and check: either it sees this sleeper or this sees the bump
+      sleepers_.fetch_add(1);
+      if (signal_.load() == seen) futex_wait(&signal_, seen);
+      sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+      const uint32_t after = signal_.load(std::memory_order_acquire);
+      if (after != seen) return after;
+    }
+  }
+
+  std::mutex call_;
+  std::atomic<uint64_t> ticket_{0};  // region generation << 32 | next chunk to claim
+  std::atomic<uint32_t> signal_{0};  // bumped per region; workers sleep on it
+  std::atomic<int> sleepers_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<Clock::rep> passive_until_{0};  // workers sleep at once before this time
+  const RangeFn* fn_ = nullptr;
+  int64_t begin_ = 0, end_ = 0, chunk_ = 0;
+  std::atomic<int64_t> tasks_{0};  // read before a claim, so atomic
+  std::exception_ptr error_;
+  std::mutex error_mutex_;
+  int64_t workers_ = 0;  // guarded by call_
+  const int64_t spin_us_ = spin_us_from_env();
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: its detached workers outlive exit's cleanup
+  return *p;
+}
+
+}  // namespace
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
+  if (begin >= end) return;
+  const int64_t n = end - begin, g = std::max<int64_t>(grain, 1);
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  const int64_t tasks = std::min(threads, (n + g - 1) / g);
+  if (tasks <= 1 || in_region || at::in_parallel_region()) {
+    fn(begin, end);
+    return;
+  }
+  const int64_t chunk = (n + tasks - 1) / tasks;
+  if (!pool().run(begin, end, chunk, (n + chunk - 1) / chunk, fn)) fn(begin, end);
+}
+
+}  // namespace arborlm_cpu

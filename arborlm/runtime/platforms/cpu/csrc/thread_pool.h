@@ -1,0 +1,28 @@
+// The kernels' own thread pool: `arborlm_cpu::parallel_for`, called where `at::parallel_for`
+// was. A decode step runs a hundred or so short parallel regions back to back, so how the
+// threads wait between them decides its speed. OpenMP's ways both lose on a small machine:
+// passive waiting puts every worker to sleep after each region, and the futex wake-ups halve
+// batch-1 decode; spinning (its default) is fast when the machine is quiet but, when other
+// processes want the cores, burns the slices of the thread that holds the work, and throttles
+// itself to almost no spin as soon as a second thread of the process has used OpenMP. Here an
+// idle worker spins for a bounded time (`ARBORLM_POOL_SPIN_US`, 1000 by default), yielding
+// every few dozen pauses so that a busy machine's runnable threads go first, and then sleeps
+// on a futex; and the calling thread claims chunks itself, so a worker that is asleep or
+// preempted costs a chunk's time, not a wake-up's.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace arborlm_cpu {
+
+using RangeFn = std::function<void(int64_t, int64_t)>;
+
+// fn over [begin, end) in contiguous chunks of at least `grain` items, one per thread of
+// `at::get_num_threads()` at most (as `at::parallel_for` splits it), run by the caller and the
+// pool's workers. Inline where there is one chunk, inside a region already, or while another
+// thread's region holds the pool. The first exception a chunk throws is rethrown here once
+// every chunk has finished.
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn);
+
+}  // namespace arborlm_cpu

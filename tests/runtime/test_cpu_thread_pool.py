@@ -1,0 +1,83 @@
+"""The CPU kernels' own thread pool (`csrc/thread_pool.cpp`, `arborlm_cpu::parallel_for`).
+
+Every kernel splits its work through it, so the kernels' own tests cover one caller at a time.
+These cover what they do not: more threads asked for than the machine has cores, several
+Python threads calling kernels at once (two engines in one process: one region holds the
+pool, the other runs on its caller's thread alone), and the pool's threads kept between calls.
+Each output must be bit for bit what one thread computes: every output element is one thread's
+sum in a fixed order, whichever thread runs it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from arborlm.runtime.platforms.cpu import capabilities
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu.quant_linear import quantize_weight
+
+
+@pytest.fixture(scope="module")
+def cases():
+    if not capabilities.kernel_instructions(torch.bfloat16):
+        pytest.skip("this CPU lacks the instructions panel_linear needs for bfloat16")
+    assert cpu_kernels.available(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for rows, (n_out, n_in) in [(1, (1536, 576)), (4, (576, 1536)), (13, (700, 320))]:
+        w = torch.randn(n_out, n_in, generator=gen) * 0.05
+        x = torch.randn(rows, n_in, generator=gen).bfloat16()
+        panels = cpu_kernels.pack_panels(w.bfloat16())
+        q4 = quantize_weight(w, T.Q4_0)
+        out.append((
+            lambda x=x, p=panels, n=n_out: cpu_kernels.panel_linear(x, p, n),
+            lambda x=x, q=q4: cpu_kernels.quant_linear(x, q, int(T.Q4_0)),
+        ))
+    return [f for pair in out for f in pair]
+
+
+def _serial(cases, torch_threads):
+    torch_threads(1)
+    return [f() for f in cases]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_any_thread_count_gives_the_one_thread_result(cases, torch_threads, threads):
+    expected = _serial(cases, torch_threads)
+    torch_threads(threads)
+    for _ in range(3):  # the pool's workers are reused (and may have gone to sleep) between calls
+        for f, want in zip(cases, expected):
+            assert torch.equal(f(), want)
+
+
+def test_concurrent_callers_each_get_their_own_result(cases, torch_threads):
+    expected = _serial(cases, torch_threads)
+    torch_threads(2)
+    failures: list[str] = []
+    start = threading.Barrier(3)
+
+    def hammer(order: list[int]) -> None:
+        # torch's thread count is per thread under OpenMP: this one's as the test's
+        torch.set_num_threads(2)
+        start.wait()
+        for _ in range(40):
+            for i in order:
+                if not torch.equal(cases[i](), expected[i]):
+                    failures.append(f"case {i}")
+
+    threads = [threading.Thread(target=hammer, args=(list(range(len(cases))),)),
+               threading.Thread(target=hammer, args=(list(reversed(range(len(cases)))),))]
+    for t in threads:
+        t.start()
+    start.wait()
+    for _ in range(40):  # and this thread at the same time
+        for i, f in enumerate(cases):
+            if not torch.equal(f(), expected[i]):
+                failures.append(f"case {i} (main)")
+    for t in threads:
+        t.join()
+    assert not failures, failures[:5]
