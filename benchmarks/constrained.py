@@ -422,9 +422,10 @@ def main() -> None:
     print(table(rows, ("configuration", "tokens", "decode steps", "forced tokens", "tok/s",
                        "vs plain (wall)", "vs plain (CPU)", "grammar time")))
     print(verdict(rows))
-    alone = run_alone(engine, args, backends[0])
-    print(f"\none request at a time ({args.alone} prompts; medians)")
-    print(table(alone, ("configuration", "decode steps", "latency ms", "CPU ms", "tokens")))
+    if args.alone:
+        alone = run_alone(engine, args, backends[0])
+        print(f"\none request at a time ({args.alone} prompts; medians)")
+        print(table(alone, ("configuration", "decode steps", "latency ms", "CPU ms", "tokens")))
     mask_table = []
     for name in backends:
         backend = create_grammar_backend(name, engine.tokenizer, vocab,
@@ -434,7 +435,8 @@ def main() -> None:
                            f"{percentile(times, 99) * 1e6:.1f}"))
     print(f"\nmask per token: fill_bitmask + apply_token_bitmask_ on a {vocab}-wide row")
     print(table(mask_table, ("backend", "tokens", "p50 us", "p99 us")))
-    print_compile_rows(engine, args, backends)
+    if args.compile_schemas:
+        print_compile_rows(engine, args, backends)
     engine.shutdown()
     os._exit(0)  # do not wait for compiles abandoned at their time limit
 

@@ -15,6 +15,7 @@
 
     python benchmarks/multiprocess.py                       # concurrency 16 and 64
     python benchmarks/multiprocess.py --concurrency 16 --repeats 3
+    python benchmarks/multiprocess.py --concurrency 1 16 --repeats 3 --num-prompts 16 --dtype auto
 """
 
 from __future__ import annotations
@@ -170,10 +171,10 @@ def throughput(args: argparse.Namespace, path: str) -> list[tuple]:
     from arborlm import Engine
 
     t = time.perf_counter()
-    engines = {"in-process": Engine(path, dtype="float32")}
+    engines = {"in-process": Engine(path, dtype=args.dtype)}
     started = {"in-process": time.perf_counter() - t}
     t = time.perf_counter()
-    engines["multi-process"] = Engine(path, mode="multiprocess", dtype="float32")
+    engines["multi-process"] = Engine(path, mode="multiprocess", dtype=args.dtype)
     started["multi-process"] = time.perf_counter() - t
     cfg = engines["in-process"].config.model
     specials = set(engines["in-process"].tokenizer.all_special_ids)
@@ -198,6 +199,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--round-trips", type=int, default=2000)
+    ap.add_argument("--dtype", default="float32",
+                    help="both engines' dtype (auto: the serve default)")
     args = ap.parse_args()
 
     from arborlm.runtime.models.factory import default_model_path
