@@ -83,8 +83,10 @@ SHUTDOWN_TIMEOUT_S = 5.0  # how long children get to exit after a ShutdownReq
 def scheduler_env() -> dict[str, str]:
     """Environment of the scheduler process. OpenMP threads that spin while waiting (the
     default) starve the detokenizer and this process of CPU on a small machine and slow every
-    step of a CPU scheduler many times over; passive waiting avoids it. A value the user set
-    is kept."""
+    step of a CPU scheduler many times over; passive waiting avoids it. ArborLM's own kernels,
+    a decode step's every parallel region, do not use OpenMP but their own pool
+    (`csrc/thread_pool.cpp`), which spins only while the machine has cores to spare; this
+    setting is for torch's operators (prefill's GEMMs). A value the user set is kept."""
     return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
