@@ -81,3 +81,35 @@ def test_concurrent_callers_each_get_their_own_result(cases, torch_threads):
     for t in threads:
         t.join()
     assert not failures, failures[:5]
+
+
+def test_a_forked_child_gets_a_pool_of_its_own(cases, torch_threads):
+    """The child of a fork has none of the parent's workers: it starts a pool of its own (a
+    new worker thread, where the parent's pool would run every chunk on the caller), and its
+    kernels give the one-thread result."""
+    import multiprocessing
+
+    expected = _serial(cases, torch_threads)
+    torch_threads(2)
+    for f in cases:  # the parent's workers exist (and may be mid-spin) when it forks
+        f()
+    _FORK_CASES[:] = list(zip(cases, expected))
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as children:
+        got, before, after = children.apply_async(_run_all_in_child,
+                                                  (len(cases),)).get(timeout=300)
+    assert got == [True] * len(cases)
+    assert after == before + 1, (before, after)
+    assert all(torch.equal(f(), want) for f, want in zip(cases, expected))
+
+
+_FORK_CASES: list = []  # (kernel call, its one-thread result), inherited by the forked child
+
+
+def _run_all_in_child(n: int) -> tuple[list[bool], int, int]:
+    import os
+
+    torch.set_num_threads(2)
+    before = len(os.listdir("/proc/self/task"))
+    got = [bool(torch.equal(f(), want)) for f, want in _FORK_CASES[:n]]
+    return got, before, len(os.listdir("/proc/self/task"))

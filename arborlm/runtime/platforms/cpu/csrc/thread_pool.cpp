@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -177,10 +178,19 @@ class Pool {
   const int64_t spin_us_ = spin_us_from_env();
 };
 
-Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: its detached workers outlive exit's cleanup
-  return *p;
+Pool* make_pool();
+
+Pool* the_pool = make_pool();  // never destroyed: its detached workers outlive exit's cleanup
+
+// Run once, as the library loads.
+Pool* make_pool() {
+  // A forked child has none of the workers (nor perhaps a lock another thread held): it
+  // starts a pool of its own (the parent's is left as it is, leaked).
+  pthread_atfork(nullptr, nullptr, [] { the_pool = new Pool(); });
+  return new Pool();
 }
+
+Pool& pool() { return *the_pool; }
 
 }  // namespace
 
