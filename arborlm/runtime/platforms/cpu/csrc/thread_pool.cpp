@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -119,9 +120,15 @@ class Pool {
     return true;
   }
 
+  // Starts workers up to `workers`. Where the system refuses a thread, the pool goes on with
+  // those it has: the caller claims whatever chunks no worker takes.
   void grow(int64_t workers) {
-    while (static_cast<int64_t>(workers_) < workers) {
-      std::thread([this] { work(); }).detach();
+    while (workers_ < workers) {
+      try {
+        std::thread([this] { work(); }).detach();
+      } catch (const std::system_error&) {
+        return;
+      }
       ++workers_;
     }
   }
