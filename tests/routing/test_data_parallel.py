@@ -70,12 +70,16 @@ def test_cache_aware_keeps_each_prefix_on_its_replica(dp_server):
 def rr_server(make_tiny_model):
     """Two fresh replicas taking requests in turn, so each surely gets half (under the shared
     server's cache-aware policy, where a request goes depends on what earlier tests sent)."""
-    with running_server(make_tiny_model("llama"), *SERVER_FLAGS, "--dp-size", "2",
-                        "--load-balance-method", "round_robin") as server:
+    with running_server(make_tiny_model("llama", max_position_embeddings=4096),
+                        "--context-length", "4096", "--max-total-tokens", "16384",
+                        "--dp-size", "2", "--load-balance-method", "round_robin") as server:
         yield server.url
 
 
-LONG = 900  # tokens per request: none can finish between the wait below and the kill
+# Tokens per request: none can finish between the wait below and the kill (four per replica fit
+# its 16,384 KV slots). At 900, with decode twice as fast, one replica finished two of its four
+# before the poll that saw both running.
+LONG = 3600
 
 
 def test_killed_replica_fails_only_its_requests(rr_server):
@@ -83,14 +87,15 @@ def test_killed_replica_fails_only_its_requests(rr_server):
     long = {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True}
     seen: list[dict] = []  # the replicas as last polled
 
-    def both_running() -> bool:
+    def victim_holds_all_four() -> bool:  # its four running, the other replica's started
         seen[:] = _replicas(rr_server)
-        return len(seen) == 2 and all(r["num_running_reqs"] > 0 for r in seen)
+        return (len(seen) == 2 and seen[1]["num_running_reqs"] == 4
+                and seen[0]["num_running_reqs"] > 0)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_generate, rr_server, f"{PROMPTS[i % 4]} {i}", long)
                    for i in range(8)]
-        _wait(both_running, "both replicas running requests")
+        _wait(victim_holds_all_four, "the victim running all four of its requests")
         at_kill = list(seen)
         assert at_kill[1]["scheduler_pid"] == victim, at_kill
         os.kill(victim, signal.SIGKILL)
