@@ -26,7 +26,6 @@
 // with AVX2 (float32, `attend_row_avx2`).
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>

@@ -36,7 +36,6 @@
 // module's arithmetic.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -213,7 +212,6 @@ struct Inputs {
   bool cascade;
   Cascade groups;
 };
-
 
 // `y` as float32: the logits' widening, on the kernels' pool (torch's copy would wake OpenMP's
 // threads, which then spin beside the pool's for the rest of the step).

@@ -15,7 +15,6 @@
 // `cpu_kernels.py` only calls it on CPUs with AVX-512.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 

@@ -36,7 +36,6 @@
 // `cpu_kernels.py` only calls it on CPUs with AVX-512.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>

@@ -3,7 +3,6 @@
 
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>

@@ -46,7 +46,6 @@
 // them). Numbers are ggml's type ids.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "quant_common.h"
-#include "thread_pool.h"
 
 namespace arborlm_quant {
 namespace {

@@ -18,7 +18,6 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
-#include <vector>
 
 namespace arborlm_cpu {
 namespace {
