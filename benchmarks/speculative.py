@@ -60,7 +60,7 @@ WORKLOADS = {
                      "exactly, changing only the city to Paris. Reply with the JSON only.", None),
     "extract to schema": ("Extract the fields of this text as JSON.\n" + BIO, BIO_SCHEMA),
     "repeat code, rename": ("Repeat this code exactly, renaming the variable total to "
-                            "running_sum:\n" + CODE, None),
+                            "running_sum:\n```python\n" + CODE + "```", None),
     "open-ended chat": ("Write a short story about a lighthouse keeper who finds a message in a "
                         "bottle.", None),
     f"open-ended chat x{CONCURRENT}": ("", None),

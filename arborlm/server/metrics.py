@@ -44,6 +44,8 @@ SPEC_COUNTERS = (
      "Speculative draft tokens cut because the request's grammar rejects them"),
     ("spec_grammar_forced_tokens", "spec_grammar_forced_tokens",
      "Speculative draft tokens added because the request's grammar forces them"),
+    ("spec_grammar_spelled_tokens", "spec_grammar_spelled_tokens",
+     "Speculative draft tokens added that spell the string the request's grammar forces"),
 )
 
 

@@ -111,3 +111,32 @@ def test_standalone_self_draft_equals_plain(smollm2_gguf, smollm2_engine):
     assert spec_schema["output_ids"] == plain_schema["output_ids"]
     assert alone["meta_info"]["spec_accept_length"] > 3.0
     assert info["spec_accepted_tokens"] >= 0.9 * info["spec_draft_tokens"] > 0
+
+
+BIO = ("Grace Hopper was born in New York City in 1906. She was a computer scientist and a rear "
+       "admiral of the United States Navy, known for the COBOL language and for the first "
+       "compiler. Contact: grace@example.org.")
+BIO_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "born": {"type": "integer"}, "city": {"type": "string"},
+    "occupation": {"type": "string"}, "known_for": {"type": "string"},
+    "email": {"type": "string"}},
+    "required": ["name", "born", "city", "occupation", "known_for", "email"]}
+
+
+def test_spelled_keys_ride_in_verify_steps(smollm2_engine, spec_engine):
+    """Extraction into a six-key schema: the keys, their quotes and separators are strings the
+    grammar forces but not tokens, so the drafts spell them (`spec_grammar_spelled_tokens`) and
+    the model accepts them: over 3 tokens per verify (2.4 without the spelling, measured), and
+    the output equals plain decoding's."""
+    chat = smollm2_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Extract the fields of this text as JSON.\n" + BIO}],
+        add_generation_prompt=True, tokenize=False)
+    ids = smollm2_engine.tokenizer.encode(chat, add_special_tokens=False)
+    params = dict(GREEDY, max_new_tokens=96, json_schema=json.dumps(BIO_SCHEMA))
+    plain = smollm2_engine.generate(input_ids=ids, sampling_params=params)
+    spelled = spec_engine.get_server_info()["spec_grammar_spelled_tokens"]
+    spec = spec_engine.generate(input_ids=ids, sampling_params=params)
+    assert spec["output_ids"] == plain["output_ids"]
+    assert set(json.loads(spec["text"])) == set(BIO_SCHEMA["properties"])
+    assert spec_engine.get_server_info()["spec_grammar_spelled_tokens"] - spelled >= 20
+    assert spec["meta_info"]["spec_accept_length"] > 3.0

@@ -76,6 +76,39 @@ def test_fit_draft_forced_alone_only_when_asked(tiny_grammars):
     assert cut.tokens == [] and cut.pruned == len(bad)
 
 
+def test_fit_draft_spells_the_forced_string(tiny_grammars):
+    """After `{"name": "ab",` the grammar forces the string ` "ok": ` but no token (the mask
+    allows ` "` and the tokens of other whitespace): with the tokenizer, it becomes a draft of
+    its spelling, also after what a draft kept; a spelling the grammar rejects is cut where it
+    goes wrong, the limit holds, and the matcher is left as it was."""
+    from arborlm.runtime.speculative.grammar_draft import fit_draft
+
+    tokenizer, backend = tiny_grammars
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    matcher = backend.compile("json_schema", json.dumps(OBJECT)).matcher()
+    prefix = encode('{"name": "ab",')
+    for tok in prefix:
+        assert matcher.accept_token(tok)
+    assert matcher.find_jump_forward_tokens() == []  # nothing forced token by token
+    at, before = len(prefix), _mask(matcher)
+    fitted = fit_draft(matcher, [], at, 16, forced_alone=False, encode=encode)
+    assert tokenizer.decode(fitted.tokens) == ' "ok": '
+    assert fitted.spelled == len(fitted.tokens) == len(encode(' "ok": ')) > 2
+    assert torch.equal(_mask(matcher), before)
+    assert fit_draft(matcher, [], at, 16, forced_alone=False).tokens == []  # no tokenizer
+    assert fit_draft(matcher, [], at, 2, forced_alone=False, encode=encode).tokens == \
+        fitted.tokens[:2]
+    # After a kept draft token: the string forced after it.
+    after = fit_draft(matcher, encode(' "o'), at, 16, forced_alone=False, encode=encode)
+    assert tokenizer.decode(after.tokens) == ' "ok": ' and after.pruned == 0
+    assert 0 < after.spelled < len(after.tokens)
+    # A tokenizer that spells it wrong: cut before the first token the grammar rejects.
+    wrong = fit_draft(matcher, [], at, 16, forced_alone=False,
+                      encode=lambda text: encode(' "no": '))
+    assert tokenizer.decode(wrong.tokens) == ' "'
+    assert torch.equal(_mask(matcher), before)
+
+
 def test_fit_draft_cuts_a_token_the_guard_banned_here(tiny_grammars):
     """A token banned at the current position (a guard rollback's `ban_at`) is masked there
     though the grammar alone accepts it: a draft starting with it is cut whole."""
@@ -117,9 +150,9 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
 
     fit, verified, whole = grammar_draft.fit_draft, [], []
 
-    def checked_fit(matcher, draft, position, limit, *, forced_alone):
+    def checked_fit(matcher, draft, position, limit, **kw):
         before = _mask(matcher)
-        out = fit(matcher, draft, position, limit, forced_alone=forced_alone)
+        out = fit(matcher, draft, position, limit, **kw)
         assert torch.equal(_mask(matcher), before)
         return out
 
@@ -135,6 +168,9 @@ def test_grammar_aware_drafts_equal_plain(make_tiny_model, monkeypatch):
         return computed
 
     monkeypatch.setattr(ngram.NgramIndex, "draft", adversary)
+    # Forced tokens riding on n-gram drafts are the subject here: no spelled strings after them
+    # (those have a test of their own), so a draft accepted whole is one with forced tokens.
+    monkeypatch.setattr(speculator, "_encoder", lambda tokenizer: None)
     monkeypatch.setattr(speculator, "fit_draft", checked_fit)
     monkeypatch.setattr(speculator.Speculator, "verify", checked_verify)
     spec, info = _run(path, PROMPTS[:3], params, spec=True,

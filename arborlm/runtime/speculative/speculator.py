@@ -22,12 +22,15 @@ drafts go back to the pool (`DecodeScheduler.after_verify`).
 
 Grammar-aware drafting: a request with a grammar has its draft cut before the first token the
 grammar (or its semantic guard) rejects, and extended by the tokens the grammar forces after
-it (`grammar_draft.fit_draft`, on the request's own matcher, rolled back after the walk), so
-the target never verifies a token the mask would forbid. Forced tokens alone are drafted only
-with jump-forward off (on, it has appended them already). When jump-forward appends a forced
+it and by the tokenizer's spelling of the string it forces after those (`grammar_draft.fit_draft`,
+on the request's own matcher, rolled back after the walk), so the target never verifies a
+token the mask would forbid, and a JSON key with its quotes and separators (forced as a
+string, not as tokens) is one verify step where plain decoding spends a step per token. Forced
+tokens alone are drafted only with jump-forward off (on, it has appended them already); the
+spelled string is drafted with or without a draft before it. When jump-forward appends a forced
 run after a sampled token during verification, the draft positions equal to it keep their KV
 and verification goes on after them (`spec_grammar_pruned_tokens`, `spec_grammar_forced_tokens`
-count the tokens cut and added).
+and `spec_grammar_spelled_tokens` count the tokens cut and added).
 
 Adaptive: each request's draft length follows its acceptance (grows by one after a fully
 accepted draft, shrinks to what was accepted plus one otherwise), and a request whose drafts
@@ -41,6 +44,7 @@ page size 1 (`EngineArgs.resolve` rejects other page sizes with speculation).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -109,7 +113,16 @@ def create_speculator(config: EngineConfig, kv: KVSlots, results: ResultProcesso
         max_draft = args.speculative_num_draft_tokens
         drafter = NgramDrafter(args.speculative_ngram_min_match_window_size,
                                args.speculative_ngram_max_match_window_size, max_draft)
-    return Speculator(config, drafter, max_draft, kv, results, stats)
+    return Speculator(config, drafter, max_draft, kv, results, stats,
+                      encode=_encoder(tokenizer))
+
+
+def _encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
+    """Text -> token ids without special tokens, for spelling a grammar's forced string; None
+    without a tokenizer (`skip_tokenizer_init`)."""
+    if tokenizer is None or not hasattr(tokenizer, "encode"):
+        return None
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
 class NoSpeculation:
@@ -137,11 +150,14 @@ class NoSpeculation:
 class Speculator:
     """Drafts from `drafter`, at most `max_draft` tokens per request and step, verified in
     one target forward. `stats`: the engine's counters (drafts, draft tokens, accepted draft
-    tokens, verify steps), updated in place."""
+    tokens, verify steps), updated in place. `encode`: the tokenizer, to spell the strings
+    grammars force (None: those are not drafted)."""
 
     def __init__(self, config: EngineConfig, drafter: Drafter, max_draft: int, kv: KVSlots,
-                 results: ResultProcessor, stats: dict[str, int]):
+                 results: ResultProcessor, stats: dict[str, int], *,
+                 encode: Callable[[str], list[int]] | None = None):
         self.drafter = drafter
+        self.encode = encode
         self.num_draft_tokens = max_draft
         self.context_length = config.model.context_length
         self.kv = kv
@@ -149,7 +165,7 @@ class Speculator:
         self.stats = stats
         for key in ("spec_verifies", "spec_drafts", "spec_draft_tokens",
                     "spec_accepted_tokens", "spec_grammar_pruned_tokens",
-                    "spec_grammar_forced_tokens"):
+                    "spec_grammar_forced_tokens", "spec_grammar_spelled_tokens"):
             stats.setdefault(key, 0)
 
     def info(self) -> dict[str, float]:
@@ -188,18 +204,20 @@ class Speculator:
                 for r, d, room in zip(reqs, drafts, rooms)]
 
     def _fit_to_grammar(self, req: Req, draft: list[int], limit: int) -> list[int]:
-        """`draft` pruned by `req`'s grammar and extended by its forced tokens, at most `limit`
-        in all (`fit_draft`). Forced tokens alone only when jump-forward is off: on, it has
-        already appended them after the newest token."""
+        """`draft` pruned by `req`'s grammar and extended by its forced tokens and the spelling
+        of its forced string, at most `limit` in all (`fit_draft`). Forced tokens alone only
+        when jump-forward is off: on, it has already appended them after the newest token."""
         hook = self.results.grammar_hook
         fitted = None
         with per_request(req, "grammar draft"):
             fitted = fit_draft(req.grammar, draft, len(req.output_ids), limit,
-                               forced_alone=hook is None or not hook.jump_forward_enabled)
+                               forced_alone=hook is None or not hook.jump_forward_enabled,
+                               encode=self.encode)
         if fitted is None:
             return []  # the matcher failed: the request is finished with the error
         self.stats["spec_grammar_pruned_tokens"] += fitted.pruned
         self.stats["spec_grammar_forced_tokens"] += fitted.forced
+        self.stats["spec_grammar_spelled_tokens"] += fitted.spelled
         return fitted.tokens
 
     def reset(self) -> None:
