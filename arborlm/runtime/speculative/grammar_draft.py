@@ -1,4 +1,4 @@
-"""`fit_draft`: a draft cut where its request's grammar rejects it, plus what the grammar forces next.
+"""`fit_draft`: a draft cut where its request's grammar rejects it, plus what the grammar forces.
 
 Grammar-aware drafting for constrained requests. The request's own matcher walks the draft
 (`accept_token` each, stopping at the first token the grammar rejects or the semantic guard's

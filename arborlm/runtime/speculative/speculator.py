@@ -43,8 +43,8 @@ page size 1 (`EngineArgs.resolve` rejects other page sizes with speculation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
