@@ -117,7 +117,7 @@ def test_bad_arguments_name_the_problem():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_packed_linear_routes_decode_batches_to_the_kernel(dtype, monkeypatch):
-    """Up to `PANEL_MAX_ROWS` rows go through `panel_linear` (no plain copy is kept); more rows
+    """Up to `panel_max_rows` rows go through `panel_linear` (no plain copy is kept); more rows
     through oneDNN; with ARBORLM_CPU_KERNELS=0 the kernel is never called."""
     _skip_unless_available(dtype)
     if not cpu_linear.packing_available(dtype):
@@ -133,7 +133,8 @@ def test_packed_linear_routes_decode_batches_to_the_kernel(dtype, monkeypatch):
     linear = torch.nn.Linear(256, 384, bias=True).to(dtype)
     packed = cpu_linear.PackedLinear(linear)
     assert packed.panels is not None and packed.plain is None
-    rows = cpu_linear.PANEL_MAX_ROWS
+    rows = packed.panel_rows
+    assert rows == cpu_linear.panel_max_rows(dtype)
     x = torch.randn(rows + 1, 256).to(dtype)
     w, b = linear.weight.detach(), linear.bias.detach()
     _check(packed(x[:1]), x[:1], w, b)

@@ -8,12 +8,17 @@ does), and `PackedLinear` calls `torch.ops.mkldnn._linear_pointwise` for any num
 prefill too, where the packed float32 product beats MKL's on the plain weight (figures in
 docs/performance.md, "CPU kernels").
 
-Decode-sized batches (up to `PANEL_MAX_ROWS` rows, one row included) go instead to ArborLM's own
+Decode-sized batches (up to `panel_max_rows` rows, one row included) go instead to ArborLM's own
 kernel where the CPU has it, `cpu_kernels.panel_linear` over a second copy of the weight in
 column panels (`csrc/panel_gemm.cpp`): a decode step's weights stream in from memory, where
 oneDNN loses a fifth of its speed and the panels do not. Its results do not depend on the batch
-size. Where it cannot run, the plain weight is kept instead: with one thread, one float32 row
-runs as `x @ W^T` with the weight stored transposed, MKL's fastest single-thread float32 GEMV
+size. Where oneDNN's bfloat16 GEMMs run on AMX tiles, they overtake the panels' `vdpbf16ps`
+from about 16-24 rows on in an extend (docs/performance.md, "Prefill on AMX"), so bfloat16
+batches above `AMX_PANEL_MAX_ROWS` go to oneDNN there (not with deterministic inference, which
+keeps every batch on the panels: `panels_only`).
+
+Where the panel kernel cannot run, the plain weight is kept instead: with one thread, one float32
+row runs as `x @ W^T` with the weight stored transposed, MKL's fastest single-thread float32 GEMV
 (MKL does not split it over threads; oneDNN does). bfloat16 results of oneDNN are bit-identical
 to `F.linear` (the same kernels); float32 ones differ from it in the last bits (other summation
 orders), as the panels' do. Two copies of each weight are kept (packed and panels, or packed and
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from arborlm.runtime.platforms.cpu import capabilities
 from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 
 # Smallest weight (out x in elements) worth packing; below it the call overhead dominates.
@@ -52,6 +58,15 @@ BATCH_HINT = 32
 # Most rows a call gives the panel kernel; above it (prefill) oneDNN's blocking is as fast or
 # faster (docs/performance.md, "CPU kernels").
 PANEL_MAX_ROWS = 128
+# The same for bfloat16 where oneDNN runs it on AMX tiles (docs/performance.md, "Prefill on AMX").
+AMX_PANEL_MAX_ROWS = 16
+
+
+def panel_max_rows(dtype: torch.dtype) -> int:
+    """Most rows a `dtype` call gives the panel kernel on this CPU."""
+    if dtype == torch.bfloat16 and capabilities.has_amx_bf16():
+        return min(PANEL_MAX_ROWS, AMX_PANEL_MAX_ROWS)
+    return PANEL_MAX_ROWS
 
 
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -91,13 +106,14 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # The panel kernel adds a float32 bias (before rounding, as a GEMM's epilogue does).
         self.bias32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.panel_rows = panel_max_rows(weight.dtype)  # above: oneDNN (unless panels_only)
         # How a traced graph names it (`packed_linear`); `native`: the C++ operator holds it.
         self.handle, self.native = _register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, out]` in x's dtype."""
         rows = x.shape[0]
-        if self.panels is not None and (rows <= PANEL_MAX_ROWS or self.panels_only):
+        if self.panels is not None and (rows <= self.panel_rows or self.panels_only):
             return cpu_kernels.panel_linear(x, self.panels, self.out_features, self.bias32)
         if torch.compiler.is_compiling():  # traced: the opaque packed weight cannot be
             if rows == 1 and not self.transposed:  # no panels: a plain copy
