@@ -109,6 +109,26 @@ def test_fit_draft_spells_the_forced_string(tiny_grammars):
     assert torch.equal(_mask(matcher), before)
 
 
+def test_fit_draft_spells_only_what_the_draft_can_take(tiny_grammars):
+    """A `const` of 20,000 characters is one forced string: the tokenizer is handed only as
+    many characters as the draft has room for (`MAX_TOKEN_CHARS` per token), not the whole."""
+    from arborlm.runtime.speculative import grammar_draft
+
+    tokenizer, backend = tiny_grammars
+    seen = []
+
+    def encode(text):
+        seen.append(len(text))
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    const = "ab" * 10_000
+    matcher = backend.compile("json_schema", json.dumps({"const": const})).matcher()
+    fitted = grammar_draft.fit_draft(matcher, [], 0, 6, forced_alone=False, encode=encode)
+    assert seen and max(seen) <= 6 * grammar_draft.MAX_TOKEN_CHARS
+    assert 0 < len(fitted.tokens) <= 6
+    assert (json.dumps(const)).startswith(tokenizer.decode(fitted.tokens))
+
+
 def test_fit_draft_cuts_a_token_the_guard_banned_here(tiny_grammars):
     """A token banned at the current position (a guard rollback's `ban_at`) is masked there
     though the grammar alone accepts it: a draft starting with it is cut whole."""

@@ -31,6 +31,10 @@ import torch
 
 from arborlm.constrained.base import GrammarMatcher
 
+# At most this many characters of a forced string are spelled per token of room in the draft
+# (a `const` may force thousands).
+MAX_TOKEN_CHARS = 32
+
 
 @dataclass(frozen=True)
 class FittedDraft:
@@ -70,7 +74,7 @@ def fit_draft(matcher: GrammarMatcher, draft: list[int], position: int, limit: i
         if limit > walked and (kept or forced_alone):
             forced = walk(matcher.find_jump_forward_tokens(limit - walked))
         if encode is not None and limit > walked and not matcher.is_terminated():
-            text = matcher.find_jump_forward_string()
+            text = matcher.find_jump_forward_string()[:(limit - walked) * MAX_TOKEN_CHARS]
             if text:
                 spelled = walk(encode(text)[:limit - walked])
     finally:
