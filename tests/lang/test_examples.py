@@ -61,9 +61,29 @@ def test_react_agent(example, tiny_path):
     assert module.calculator("1/0").startswith("error:")
 
 
-def test_streaming(example, tiny_path):
+def test_streaming(example, tiny_path, monkeypatch):
+    """The backend streams the story in several deltas, and `text_iter` yields it whole. How
+    many pieces the example's loop sees depends on how far it lags the engine (`text_iter`
+    yields everything new since its last piece: on a busy machine, the tiny model's 32 tokens
+    can all arrive before the loop wakes), so the deltas are counted where they arrive."""
+    from arborlm.lang.backends.native import NativeBackend
+
+    calls: list[list[str]] = []  # the non-empty deltas of each streamed gen
+    stream = NativeBackend.generate_stream
+
+    def counting(self, s, params):
+        calls.append([])
+        for delta, chunk in stream(self, s, params):
+            if delta:
+                calls[-1].append(delta)
+            yield delta, chunk
+
+    monkeypatch.setattr(NativeBackend, "generate_stream", counting)
     pieces = example("streaming").main(["--model-path", str(tiny_path)])
-    assert len(pieces) > 1 and all(isinstance(p, str) for p in pieces)
+    assert pieces and all(isinstance(p, str) for p in pieces)
+    assert len(calls) == 2  # the story, then the asyncio one
+    assert len(calls[0]) > 1
+    assert "".join(pieces) == "".join(calls[0])
 
 
 @pytest.mark.parametrize("name", ["quick_start", "multiple_choice", "tree_of_thought"])
