@@ -4,9 +4,12 @@ Workloads that copy from their prompt (rewrite a JSON object with one field chan
 text's fields into a JSON schema, constrained; repeat a code snippet with one rename) and one
 that does not (open-ended chat), and that chat at 32 concurrent requests (32 topics, sent at
 once; its tokens/s are the batch's). Each request runs greedy on two engines, plain and
-`--speculative-algorithm NGRAM`, alternating, `--repeats` times; the table gives the median
-output tokens/s of each (whole request: prefill included, the same on both sides), the ratio,
-and the acceptance length (`meta_info.spec_accept_length`: tokens appended per verify). Both
+`--speculative-algorithm NGRAM`, alternating, `--repeats` times, streamed; the table gives the
+median decode tokens/s of each (the tokens after the first over the time after the first
+arrived: the prefill, the same on both sides, left out), the ratio, the same over the whole
+request (prefill included; for the 32 concurrent requests, the only figure: the batch's output
+tokens over its time) and the acceptance length (`meta_info.spec_accept_length`: tokens
+appended per verify). Both
 engines' caches are flushed before each request (prefix cache, and the server-wide n-gram cache
 that would otherwise draft a repeat from the run before). The outputs of both sides must be
 identical; a difference is reported and fails the run. `--algorithm STANDALONE` drafts with
@@ -21,6 +24,7 @@ up to `--draft-tokens` per step.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -77,11 +81,24 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "a baker in Paris", "a mountain
           "a talking cat", "a time traveller", "a deep-sea diver", "a chess champion"]
 
 
-def _once(engine, ids, params: dict) -> tuple[float, dict]:
+def _once(engine, ids, params: dict) -> tuple[float, float | None, dict | list[dict]]:
+    """(whole seconds, decode seconds after the first token or None for a batch, output)."""
     engine.flush_cache()  # no prefix or n-gram cache hits from the runs before
-    start = time.perf_counter()
-    out = engine.generate(input_ids=ids, sampling_params=params)
-    return time.perf_counter() - start, out
+
+    async def run() -> tuple[float, float | None, dict | list[dict]]:
+        start = time.perf_counter()
+        first, last = None, {}
+        stream = await engine.async_generate(input_ids=ids, sampling_params=params, stream=True)
+        async for chunk in stream:
+            if first is None and chunk["meta_info"]["completion_tokens"] >= 1:
+                first = time.perf_counter()
+            last[chunk.get("index", 0)] = chunk
+        end = time.perf_counter()
+        if isinstance(ids[0], list):
+            return end - start, None, [last[i] for i in sorted(last)]
+        return end - start, end - first, last[0]
+
+    return asyncio.run(run())
 
 
 def _concurrent_prompts(tokenizer) -> list[list[int]]:
@@ -115,30 +132,36 @@ def main() -> None:
             if schema is not None:
                 params["json_schema"] = json.dumps(schema)
             _once(plain, ids, params), _once(spec, ids, params)  # warm the caches alike
-            times = {"plain": [], "spec": []}
+            times: dict[str, list[float]] = {"plain": [], "spec": []}
+            decode: dict[str, list[float]] = {"plain": [], "spec": []}
             outs = {}
             for _ in range(args.repeats):
                 for side, engine in (("plain", plain), ("spec", spec)):
-                    s, outs[side] = _once(engine, ids, params)
+                    s, d, outs[side] = _once(engine, ids, params)
                     times[side].append(s)
+                    if d is not None:
+                        decode[side].append(d)
             batch = {k: v if isinstance(v, list) else [v] for k, v in outs.items()}
             if [o["output_ids"] for o in batch["plain"]] != [o["output_ids"] for o in
                                                              batch["spec"]]:
                 mismatches.append(name)
             n = sum(o["meta_info"]["completion_tokens"] for o in batch["plain"])
             tps = {k: n / statistics.median(v) for k, v in times.items()}
+            dps = {k: (n - 1) / statistics.median(v) for k, v in decode.items() if v}
             metas = [o["meta_info"] for o in batch["spec"]]
             verifies = sum(m.get("spec_verify_ct", 0) for m in metas)
             accepted = sum(m.get("spec_verify_ct", 0) * m.get("spec_accept_length", 1.0)
                            for m in metas)
-            rows.append((name, n, f"{tps['plain']:.1f}", f"{tps['spec']:.1f}",
-                         f"{tps['spec'] / tps['plain']:.2f}x",
+            decode_cols = (f"{dps['plain']:.1f}", f"{dps['spec']:.1f}",
+                           f"{dps['spec'] / dps['plain']:.2f}x") if dps else ("-", "-", "-")
+            rows.append((name, n, *decode_cols, f"{tps['spec'] / tps['plain']:.2f}x",
                          f"{accepted / verifies if verifies else 1.0:.2f}", verifies))
     finally:
         plain.shutdown()
         spec.shutdown()
-    print(table(rows, ("workload", "tokens", "plain tok/s", f"{args.algorithm} tok/s", "speed-up",
-                       "accept len", "verifies")))
+    print(table(rows, ("workload", "tokens", "plain decode tok/s",
+                       f"{args.algorithm} decode tok/s", "decode speed-up",
+                       "whole-request speed-up", "accept len", "verifies")))
     if mismatches:
         sys.exit(f"outputs differ with speculation on: {mismatches}")
 
