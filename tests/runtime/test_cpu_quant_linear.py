@@ -338,3 +338,17 @@ def test_quantize_linears_on_a_model_matches_its_dequantized_weights(make_tiny_m
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     # The issue's bound on real text is KL <= 0.01 (a random model's flat logits flip more).
     assert kl <= 0.01 and agree >= 0.9, (kl, agree)
+
+
+@pytest.mark.parametrize("path", ["vnni2", "float"])
+def test_bfloat16_outputs_are_torchs_rounding_of_the_float32_ones(path):
+    """bfloat16 x gives the float32 result rounded as torch rounds it (the conversions run on
+    the kernels' thread pool, `arborlm_cpu::convert`, not through torch's copy, which would
+    wake OpenMP), across the pool's chunks: 40,000 outputs, as a vocabulary-wide head has."""
+    _skip_unless(path)
+    w, _, _ = _weight(T.Q8_0, 40_000, 64, seed=5)
+    x = _x(2, 64, seed=6).bfloat16()
+    want = cpu_kernels.quant_linear(x.float(), w, int(T.Q8_0), path=path)
+    got = cpu_kernels.quant_linear(x, w, int(T.Q8_0), path=path)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.bfloat16())  # x widened exactly: the same float32 sums

@@ -102,8 +102,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
                          const std::optional<at::Tensor>& bias, const std::string& path) {
   if (path == "bf16") return arborlm_cpu::quant_linear(x, blocks, qtype, bias, "float");
   if (path == "float" && x.scalar_type() == at::kBFloat16)
-    return arborlm_cpu::quant_linear(x.to(at::kFloat), blocks, qtype, bias, "float")
-        .to(at::kBFloat16);
+    return arborlm_cpu::convert(arborlm_cpu::quant_linear(arborlm_cpu::convert(x, at::kFloat),
+                                                          blocks, qtype, bias, "float"),
+                                at::kBFloat16);
   return arborlm_cpu::quant_linear(x, blocks, qtype, bias, path);
 }
 
@@ -213,18 +214,11 @@ struct Inputs {
   Cascade groups;
 };
 
-// `y` as float32: the logits' widening, on the kernels' pool (torch's copy would wake OpenMP's
-// threads, which then spin beside the pool's for the rest of the step).
+// `y` as float32: the logits' widening, on the kernels' pool (`arborlm_cpu::convert`).
 at::Tensor widen_rows(const at::Tensor& y) {
-  if (y.scalar_type() == at::kFloat) return y;
-  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous());
-  at::Tensor out = at::empty(y.sizes(), y.options().dtype(at::kFloat));
-  const auto* src = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
-  arborlm_cpu::parallel_for(0, y.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;
-  });
-  return out;
+  TORCH_CHECK(y.scalar_type() == at::kFloat || (y.scalar_type() == at::kBFloat16 &&
+                                                y.is_contiguous()));
+  return arborlm_cpu::convert(y, at::kFloat);
 }
 
 template <typename T>

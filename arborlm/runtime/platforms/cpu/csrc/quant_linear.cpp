@@ -924,7 +924,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
   if (use_amx && bf16_dot && rows > 0 && out > 0) {  // else as "float" (float32 x: FMAs)
     return amx_linear(qtype, x.contiguous(), weight.data_ptr<uint8_t>(), row_bytes, out, b);
   }
-  const at::Tensor xc = bf16_dot ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const at::Tensor xc =
+      bf16_dot ? x.contiguous() : arborlm_cpu::convert(x.contiguous(), at::kFloat);
   at::Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
   if (rows > 0 && out > 0) {
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -942,7 +943,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
       fn(qtype, xc.data_ptr<float>(), rows, in, wp, row_bytes, out, bp, yp);
     }
   }
-  return dtype == at::kFloat ? y : y.to(dtype);
+  return arborlm_cpu::convert(y, dtype);
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 
 #include "thread_pool.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -211,6 +213,32 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) 
   }
   const int64_t chunk = (n + tasks - 1) / tasks;
   if (!pool().run(begin, end, chunk, (n + chunk - 1) / chunk, fn)) fn(begin, end);
+}
+
+at::Tensor convert(const at::Tensor& t, at::ScalarType dtype) {
+  const at::ScalarType from = t.scalar_type();
+  if (from == dtype) return t;
+  const bool widen = from == at::kBFloat16 && dtype == at::kFloat;
+  const bool narrow = from == at::kFloat && dtype == at::kBFloat16;
+  if (!(widen || narrow) || !t.is_contiguous() || t.device().type() != at::kCPU) {
+    return t.to(dtype);
+  }
+  at::Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
+  constexpr int64_t kGrain = int64_t{1} << 14;
+  if (widen) {
+    const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+    auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+    parallel_for(0, t.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<uint32_t>(src[i]) << 16;
+    });
+  } else {
+    const float* src = t.data_ptr<float>();
+    auto* dst = out.data_ptr<at::BFloat16>();
+    parallel_for(0, t.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dst[i] = c10::BFloat16(src[i]);
+    });
+  }
+  return out;
 }
 
 }  // namespace arborlm_cpu

@@ -11,6 +11,8 @@
 // preempted costs a chunk's time, not a wake-up's.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <functional>
 
@@ -24,5 +26,11 @@ using RangeFn = std::function<void(int64_t, int64_t)>;
 // thread's region holds the pool. The first exception a chunk throws is rethrown here once
 // every chunk has finished.
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn);
+
+// `t.to(dtype)`, on the pool where it is float32 <-> bfloat16 of a contiguous tensor (bit for bit
+// torch's conversion: round to nearest even). torch's copy would run an OpenMP region for a
+// large tensor (a head's 49,152 logits), and OpenMP's threads then spin beside the pool's for
+// the rest of the step.
+at::Tensor convert(const at::Tensor& t, at::ScalarType dtype);
 
 }  // namespace arborlm_cpu
