@@ -844,15 +844,41 @@ class OneOpenMPThread {
   int before_;
 };
 
+// The prefill form of `amx_linear`: the weight ~1 MB of rows at a time, dequantized on the
+// kernels' pool into one scratch, times x by oneDNN on its own threads.
+at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t* w,
+                              int64_t row_bytes, int64_t out, const at::Tensor& bias);
+
+void dequant_rows(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t n,
+                  int64_t in, uint16_t* buf) {
+  switch (qtype) {
+    case Q8_0: return dequant_rows_bf16<Q8_0>(w, row_bytes, j0, n, in, buf);
+    case Q4_0: return dequant_rows_bf16<Q4_0>(w, row_bytes, j0, n, in, buf);
+    case Q4_1: return dequant_rows_bf16<Q4_1>(w, row_bytes, j0, n, in, buf);
+    case Q5_0: return dequant_rows_bf16<Q5_0>(w, row_bytes, j0, n, in, buf);
+    case Q5_1: return dequant_rows_bf16<Q5_1>(w, row_bytes, j0, n, in, buf);
+    case Q4_K: return dequant_rows_bf16<Q4_K>(w, row_bytes, j0, n, in, buf);
+    case Q5_K: return dequant_rows_bf16<Q5_K>(w, row_bytes, j0, n, in, buf);
+    case Q6_K: return dequant_rows_bf16<Q6_K>(w, row_bytes, j0, n, in, buf);
+    default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
+  }
+}
+
+// Above this many rows (prefills) `amx_linear` gives each ~1 MB chunk to oneDNN's own threads.
+constexpr int64_t kAmxSplitRows = 128;
+
 // x [rows, in] bfloat16 (contiguous) times the packed weight [out, row bytes] (+ bias float32,
-// or undefined) -> [rows, out] bfloat16. The outputs are split over the kernels' pool in
-// chunks of rows of ~0.5 MB of bfloat16 weights; each thread dequantizes a chunk into its own
-// scratch (it stays in L2) and multiplies it by oneDNN on that thread alone. (oneDNN's own
-// OpenMP threads, between the pool's regions, would spin beside the pool's workers on a small
-// machine: batch decode ran at two thirds of its speed.)
+// or undefined) -> [rows, out] bfloat16. Up to `kAmxSplitRows` rows (batch decode) the outputs
+// are split over the kernels' pool in chunks of rows of ~0.5 MB of bfloat16 weights; each
+// thread dequantizes a chunk into its own scratch (it stays in L2) and multiplies it by oneDNN
+// on that thread alone. (oneDNN's own OpenMP threads, between the pool's regions, spin beside
+// the pool's workers on a small machine: 32-row decode ran at four fifths of its speed.) More
+// rows (a prefill: fewer, larger products) go ~1 MB at a time, dequantized on the pool, to
+// oneDNN's threads, which was 12% faster at 512 rows (docs/performance.md).
 at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int64_t row_bytes,
                       int64_t out, const at::Tensor& bias) {
   const int64_t rows = x.size(0), in = x.size(1);
+  if (rows > kAmxSplitRows) return amx_linear_prefill(qtype, x, w, row_bytes, out, bias);
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
   const int64_t per_thread = (out + threads - 1) / threads;
   const int64_t chunk = std::min(std::max<int64_t>(16, (int64_t{1} << 19) / (2 * in)),
@@ -872,17 +898,7 @@ at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int6
     auto* buf = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
     for (int64_t c = begin; c < end; ++c) {
       const int64_t j0 = c * chunk, n = std::min(chunk, out - j0);
-      switch (qtype) {
-        case Q8_0: dequant_rows_bf16<Q8_0>(w, row_bytes, j0, n, in, buf); break;
-        case Q4_0: dequant_rows_bf16<Q4_0>(w, row_bytes, j0, n, in, buf); break;
-        case Q4_1: dequant_rows_bf16<Q4_1>(w, row_bytes, j0, n, in, buf); break;
-        case Q5_0: dequant_rows_bf16<Q5_0>(w, row_bytes, j0, n, in, buf); break;
-        case Q5_1: dequant_rows_bf16<Q5_1>(w, row_bytes, j0, n, in, buf); break;
-        case Q4_K: dequant_rows_bf16<Q4_K>(w, row_bytes, j0, n, in, buf); break;
-        case Q5_K: dequant_rows_bf16<Q5_K>(w, row_bytes, j0, n, in, buf); break;
-        case Q6_K: dequant_rows_bf16<Q6_K>(w, row_bytes, j0, n, in, buf); break;
-        default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
-      }
+      dequant_rows(qtype, w, row_bytes, j0, n, in, buf);
       const at::Tensor part = at::linear(x, scratch.narrow(0, 0, n * in).view({n, in}),
                                          b.defined() ? b.narrow(0, j0, n) : at::Tensor())
                                   .contiguous();
@@ -892,6 +908,28 @@ at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int6
       }
     }
   });
+  return y;
+}
+
+at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t* w,
+                              int64_t row_bytes, int64_t out, const at::Tensor& bias) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  const int64_t chunk = std::min(out, std::max<int64_t>(16, (int64_t{1} << 20) / (2 * in)));
+  thread_local at::Tensor scratch;  // grown, never shrunk
+  if (!scratch.defined() || scratch.numel() < chunk * in) {
+    scratch = at::empty({chunk * in}, x.options());
+  }
+  auto* buf = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+  const at::Tensor b = bias.defined() ? bias.to(at::kBFloat16) : at::Tensor();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  for (int64_t j0 = 0; j0 < out; j0 += chunk) {
+    const int64_t n = std::min(chunk, out - j0);
+    arborlm_cpu::parallel_for(j0, j0 + n, 8, [&](int64_t begin, int64_t end) {
+      dequant_rows(qtype, w, row_bytes, begin, end - begin, in, buf + (begin - j0) * in);
+    });
+    y.narrow(1, j0, n).copy_(at::linear(x, scratch.narrow(0, 0, n * in).view({n, in}),
+                                        b.defined() ? b.narrow(0, j0, n) : at::Tensor()));
+  }
   return y;
 }
 
