@@ -214,13 +214,6 @@ struct Inputs {
   Cascade groups;
 };
 
-// `y` as float32: the logits' widening, on the kernels' pool (`arborlm_cpu::convert`).
-at::Tensor widen_rows(const at::Tensor& y) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat || (y.scalar_type() == at::kBFloat16 &&
-                                                y.is_contiguous()));
-  return arborlm_cpu::convert(y, at::kFloat);
-}
-
 template <typename T>
 at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& position,
                 const at::Tensor& slot, const at::Tensor& slots, const at::Tensor& lens,
@@ -313,7 +306,9 @@ at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& pos
     if (x.defined()) add_into(x.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
     rms_norm(r + b * hidden, final_norm.data_ptr<T>(), hp + b * hidden, hidden, fe);
   });
-  return widen_rows(apply(w, in.linears[4 * layers], h, embed.size(0), in.path));  // [rows, V]
+  // float32 logits [rows, V], widened on the kernels' pool (`arborlm_cpu::convert`)
+  return arborlm_cpu::convert(apply(w, in.linears[4 * layers], h, embed.size(0), in.path),
+                              at::kFloat);
 }
 
 // A packed record (see the top of this file): the weight it computes, its kind, its parts.

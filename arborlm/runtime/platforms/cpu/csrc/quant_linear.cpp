@@ -844,11 +844,6 @@ class OneOpenMPThread {
   int before_;
 };
 
-// The prefill form of `amx_linear`: the weight ~1 MB of rows at a time, dequantized on the
-// kernels' pool into one scratch, times x by oneDNN on its own threads.
-at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t* w,
-                              int64_t row_bytes, int64_t out, const at::Tensor& bias);
-
 void dequant_rows(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t n,
                   int64_t in, uint16_t* buf) {
   switch (qtype) {
@@ -864,6 +859,30 @@ void dequant_rows(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t j0
   }
 }
 
+// The prefill form of `amx_linear`: the weight ~1 MB of rows at a time, dequantized on the
+// kernels' pool into one scratch, times x by oneDNN on its own threads.
+at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t* w,
+                              int64_t row_bytes, int64_t out, const at::Tensor& bias) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  const int64_t chunk = std::min(out, std::max<int64_t>(16, (int64_t{1} << 20) / (2 * in)));
+  thread_local at::Tensor scratch;  // grown, never shrunk
+  if (!scratch.defined() || scratch.numel() < chunk * in) {
+    scratch = at::empty({chunk * in}, x.options());
+  }
+  auto* buf = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
+  const at::Tensor b = bias.defined() ? bias.to(at::kBFloat16) : at::Tensor();
+  at::Tensor y = at::empty({rows, out}, x.options());
+  for (int64_t j0 = 0; j0 < out; j0 += chunk) {
+    const int64_t n = std::min(chunk, out - j0);
+    arborlm_cpu::parallel_for(j0, j0 + n, 8, [&](int64_t begin, int64_t end) {
+      dequant_rows(qtype, w, row_bytes, begin, end - begin, in, buf + (begin - j0) * in);
+    });
+    y.narrow(1, j0, n).copy_(at::linear(x, scratch.narrow(0, 0, n * in).view({n, in}),
+                                        b.defined() ? b.narrow(0, j0, n) : at::Tensor()));
+  }
+  return y;
+}
+
 // Above this many rows (prefills) `amx_linear` gives each ~1 MB chunk to oneDNN's own threads.
 constexpr int64_t kAmxSplitRows = 128;
 
@@ -872,9 +891,9 @@ constexpr int64_t kAmxSplitRows = 128;
 // are split over the kernels' pool in chunks of rows of ~0.5 MB of bfloat16 weights; each
 // thread dequantizes a chunk into its own scratch (it stays in L2) and multiplies it by oneDNN
 // on that thread alone. (oneDNN's own OpenMP threads, between the pool's regions, spin beside
-// the pool's workers on a small machine: 32-row decode ran at four fifths of its speed.) More
-// rows (a prefill: fewer, larger products) go ~1 MB at a time, dequantized on the pool, to
-// oneDNN's threads, which was 12% faster at 512 rows (docs/performance.md).
+// the pool's workers on a small machine.) More rows (a prefill: fewer, larger products) take
+// `amx_linear_prefill`, which measured faster there (docs/performance.md, "The kernels' thread
+// pool").
 at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int64_t row_bytes,
                       int64_t out, const at::Tensor& bias) {
   const int64_t rows = x.size(0), in = x.size(1);
@@ -908,28 +927,6 @@ at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int6
       }
     }
   });
-  return y;
-}
-
-at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t* w,
-                              int64_t row_bytes, int64_t out, const at::Tensor& bias) {
-  const int64_t rows = x.size(0), in = x.size(1);
-  const int64_t chunk = std::min(out, std::max<int64_t>(16, (int64_t{1} << 20) / (2 * in)));
-  thread_local at::Tensor scratch;  // grown, never shrunk
-  if (!scratch.defined() || scratch.numel() < chunk * in) {
-    scratch = at::empty({chunk * in}, x.options());
-  }
-  auto* buf = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
-  const at::Tensor b = bias.defined() ? bias.to(at::kBFloat16) : at::Tensor();
-  at::Tensor y = at::empty({rows, out}, x.options());
-  for (int64_t j0 = 0; j0 < out; j0 += chunk) {
-    const int64_t n = std::min(chunk, out - j0);
-    arborlm_cpu::parallel_for(j0, j0 + n, 8, [&](int64_t begin, int64_t end) {
-      dequant_rows(qtype, w, row_bytes, begin, end - begin, in, buf + (begin - j0) * in);
-    });
-    y.narrow(1, j0, n).copy_(at::linear(x, scratch.narrow(0, 0, n * in).view({n, in}),
-                                        b.defined() ? b.narrow(0, j0, n) : at::Tensor()));
-  }
   return y;
 }
 
