@@ -63,6 +63,21 @@ AVX2_TARGET inline __m256i dot4(__m256i uq, __m256i xq) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(uq, xq), _mm256_set1_epi16(1));
 }
 
+// How far ahead of the weight row in use the kernels request the next rows' bytes. A decode step
+// streams every weight once, mostly from memory, in rows of a few hundred bytes to a few KB; left
+// to the hardware prefetchers (which start over at each 4 KB page), the loads of the row in use
+// wait on memory for most of a batch-1 step. 2 KB measured best of 1-8 KB on SmolLM2's shapes
+// (docs/performance.md).
+constexpr int64_t kPrefetchAhead = 2048;
+
+// Requests the cache lines of [row + kPrefetchAhead, + row_bytes) that lie before `end` (the
+// weight's end): one row's worth, kPrefetchAhead bytes ahead.
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
+  const uint8_t* p = row + kPrefetchAhead;
+  const uint8_t* stop = std::min(p + row_bytes, end);
+  for (; p < stop; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
 constexpr int kMaxRows = 4;       // rows sharing each unpacked weight block
 constexpr int64_t kColTile = 64;  // columns whose weight rows stay cached while all rows pass
 

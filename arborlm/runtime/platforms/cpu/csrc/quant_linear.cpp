@@ -301,8 +301,10 @@ constexpr bool is_signed(int qt) { return qt == Q8_0 || qt == Q4_0 || qt == Q5_0
 template <int QT, int MR, bool SPLIT>
 VNNI_TARGET void tile(const Activations& a, int64_t t0, const uint8_t* w, int64_t row_bytes,
                       int64_t j0, int64_t j1, const float* bias, float* y, int64_t ldy) {
+  const uint8_t* end = w + ldy * row_bytes;  // y's row stride is the weight's number of rows
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* row = w + j * row_bytes;
+    if (t0 == 0) prefetch_ahead(row, row_bytes, end);  // later passes find the tile cached
     __m256 acc[MR];
     float mins[MR];
     for (int m = 0; m < MR; ++m) {
@@ -382,6 +384,7 @@ AVX2_TARGET void avx2_columns(const float* x, int64_t rows, int64_t in, const ui
       float* d = deq.data() + c * in;
       if (c < cols) {
         const uint8_t* row = w + (j0 + c) * row_bytes;
+        prefetch_ahead(row, row_bytes, w + out * row_bytes);
         for (int64_t b = 0; b < blocks; ++b) dequant_avx2<QT>(row, b, d + 32 * b);
       } else {
         std::fill(d, d + in, 0.0f);
@@ -529,8 +532,10 @@ AVX2_TARGET void quantize_block_avx2(const float* xb, int8_t* q, int8_t* q2, flo
 template <int QT, int MR, bool SPLIT>
 AVX2_TARGET void tile_avx2(const Activations& a, int64_t t0, const uint8_t* w, int64_t row_bytes,
                            int64_t j0, int64_t j1, const float* bias, float* y, int64_t ldy) {
+  const uint8_t* end = w + ldy * row_bytes;  // y's row stride is the weight's number of rows
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* row = w + j * row_bytes;
+    if (t0 == 0) prefetch_ahead(row, row_bytes, end);  // later passes find the tile cached
     __m256 acc[MR];
     float mins[MR];
     for (int m = 0; m < MR; ++m) {
@@ -772,6 +777,7 @@ void float_linear(const void* xv, int64_t rows, int64_t in, const uint8_t* w, in
       const int64_t cols = std::min<int64_t>(kCols, out - j0);
       for (int c = 0; c < kCols; ++c) {  // a last group's missing rows repeat its last one
         const uint8_t* row = w + (j0 + std::min<int64_t>(c, cols - 1)) * row_bytes;
+        if (r0 == 0) prefetch_ahead(row, row_bytes, w + out * row_bytes);
         if constexpr (BF16) {
           dequant_bf16<QT>(row, blocks, buf.data() + c * in);
         } else {
@@ -824,9 +830,10 @@ void float_path(int64_t qtype, const void* x, int64_t rows, int64_t in, const ui
 
 // Rows j0 .. j0 + n of the weight dequantized to bfloat16 into `out`, on the calling thread.
 template <int QT>
-void dequant_rows_bf16(const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t n, int64_t in,
-                       uint16_t* out) {
+void dequant_rows_bf16(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t j0, int64_t n,
+                       int64_t in, uint16_t* out) {
   for (int64_t j = j0; j < j0 + n; ++j) {
+    prefetch_ahead(w + j * row_bytes, row_bytes, w + rows * row_bytes);
     dequant_bf16<QT>(w + j * row_bytes, in / 32, out + (j - j0) * in);
   }
 }
@@ -844,17 +851,18 @@ class OneOpenMPThread {
   int before_;
 };
 
-void dequant_rows(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t j0, int64_t n,
-                  int64_t in, uint16_t* buf) {
+// Rows [j0, j0 + n) of the packed weight w [rows, row_bytes] -> bfloat16 buf [n, in].
+void dequant_rows(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t j0,
+                  int64_t n, int64_t in, uint16_t* buf) {
   switch (qtype) {
-    case Q8_0: return dequant_rows_bf16<Q8_0>(w, row_bytes, j0, n, in, buf);
-    case Q4_0: return dequant_rows_bf16<Q4_0>(w, row_bytes, j0, n, in, buf);
-    case Q4_1: return dequant_rows_bf16<Q4_1>(w, row_bytes, j0, n, in, buf);
-    case Q5_0: return dequant_rows_bf16<Q5_0>(w, row_bytes, j0, n, in, buf);
-    case Q5_1: return dequant_rows_bf16<Q5_1>(w, row_bytes, j0, n, in, buf);
-    case Q4_K: return dequant_rows_bf16<Q4_K>(w, row_bytes, j0, n, in, buf);
-    case Q5_K: return dequant_rows_bf16<Q5_K>(w, row_bytes, j0, n, in, buf);
-    case Q6_K: return dequant_rows_bf16<Q6_K>(w, row_bytes, j0, n, in, buf);
+    case Q8_0: return dequant_rows_bf16<Q8_0>(w, row_bytes, rows, j0, n, in, buf);
+    case Q4_0: return dequant_rows_bf16<Q4_0>(w, row_bytes, rows, j0, n, in, buf);
+    case Q4_1: return dequant_rows_bf16<Q4_1>(w, row_bytes, rows, j0, n, in, buf);
+    case Q5_0: return dequant_rows_bf16<Q5_0>(w, row_bytes, rows, j0, n, in, buf);
+    case Q5_1: return dequant_rows_bf16<Q5_1>(w, row_bytes, rows, j0, n, in, buf);
+    case Q4_K: return dequant_rows_bf16<Q4_K>(w, row_bytes, rows, j0, n, in, buf);
+    case Q5_K: return dequant_rows_bf16<Q5_K>(w, row_bytes, rows, j0, n, in, buf);
+    case Q6_K: return dequant_rows_bf16<Q6_K>(w, row_bytes, rows, j0, n, in, buf);
     default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
   }
 }
@@ -875,7 +883,7 @@ at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t*
   for (int64_t j0 = 0; j0 < out; j0 += chunk) {
     const int64_t n = std::min(chunk, out - j0);
     arborlm_cpu::parallel_for(j0, j0 + n, 8, [&](int64_t begin, int64_t end) {
-      dequant_rows(qtype, w, row_bytes, begin, end - begin, in, buf + (begin - j0) * in);
+      dequant_rows(qtype, w, row_bytes, out, begin, end - begin, in, buf + (begin - j0) * in);
     });
     y.narrow(1, j0, n).copy_(at::linear(x, scratch.narrow(0, 0, n * in).view({n, in}),
                                         b.defined() ? b.narrow(0, j0, n) : at::Tensor()));
@@ -917,7 +925,7 @@ at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int6
     auto* buf = reinterpret_cast<uint16_t*>(scratch.data_ptr<at::BFloat16>());
     for (int64_t c = begin; c < end; ++c) {
       const int64_t j0 = c * chunk, n = std::min(chunk, out - j0);
-      dequant_rows(qtype, w, row_bytes, j0, n, in, buf);
+      dequant_rows(qtype, w, row_bytes, out, j0, n, in, buf);
       const at::Tensor part = at::linear(x, scratch.narrow(0, 0, n * in).view({n, in}),
                                          b.defined() ? b.narrow(0, j0, n) : at::Tensor())
                                   .contiguous();

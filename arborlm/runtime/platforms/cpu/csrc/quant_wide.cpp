@@ -301,8 +301,10 @@ VBMI_TARGET void wide_tile(const WideActs& a, const WideUnpack<QT>& unpack, int6
                            int64_t t0, const uint8_t* w, int64_t row_bytes, int64_t j0,
                            int64_t j1, const float* bias, float* y, int64_t ldy) {
   const int64_t whole = blocks / 4, tail = blocks % 4;
+  const uint8_t* end = w + ldy * row_bytes;  // y's row stride is the weight's number of rows
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* row = w + j * row_bytes;
+    if (t0 == 0) prefetch_ahead(row, row_bytes, end);  // later passes find the tile cached
     __m512 acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < a.groups; ++g) {
@@ -465,8 +467,10 @@ AVX2_TARGET void wide_tile_avx2(const WideActs& a, int64_t blocks, int64_t t0, c
                                 int64_t row_bytes, int64_t j0, int64_t j1, const float* bias,
                                 float* y, int64_t ldy) {
   const int64_t whole = blocks / 4, tail = blocks % 4;
+  const uint8_t* end = w + ldy * row_bytes;
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* row = w + j * row_bytes;
+    if (t0 == 0) prefetch_ahead(row, row_bytes, end);
     __m256 acc[MR][2];
     for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < a.groups; ++g) {
