@@ -113,3 +113,33 @@ def _run_all_in_child(n: int) -> tuple[list[bool], int, int]:
     before = len(os.listdir("/proc/self/task"))
     got = [bool(torch.equal(f(), want)) for f, want in _FORK_CASES[:n]]
     return got, before, len(os.listdir("/proc/self/task"))
+
+
+def test_an_oversubscribed_machine_switches_the_pool_to_passive(torch_threads):
+    """With a busy-looping process per CPU beside it, the pool's worker is preempted holding a
+    chunk: the caller, kept waiting, finds more threads runnable than CPUs (/proc/loadavg) and
+    puts the workers to passive waiting (`pool_passive_switches` counts it). Bounded by calls,
+    not time: on an oversubscribed machine a preemption mid-chunk comes within a few hundred."""
+    import os
+    import subprocess
+    import sys
+
+    if not cpu_kernels.quant_linear_available():
+        pytest.skip("the quantized kernels are not built")
+    gen = torch.Generator().manual_seed(1)
+    weight = quantize_weight(torch.randn(4096, 2048, generator=gen) * 0.05, T.Q4_0)
+    x = torch.randn(1, 2048, generator=gen).bfloat16()
+    torch_threads(2)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 2)]
+    try:
+        before = cpu_kernels.pool_passive_switches()
+        for _ in range(20_000):
+            cpu_kernels.quant_linear(x, weight, int(T.Q4_0))
+            if cpu_kernels.pool_passive_switches() > before:
+                break
+        assert cpu_kernels.pool_passive_switches() > before
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()

@@ -471,6 +471,13 @@ def batch_invariant_quant_path() -> str:
     return quant_path(FLOAT_PATH_ROWS)
 
 
+def pool_passive_switches() -> int:
+    """How many times the kernels' thread pool has put its workers to passive waiting (the
+    machine oversubscribed: a caller kept waiting by a preempted worker), since the kernels
+    loaded."""
+    return int(torch.ops.arborlm.pool_passive_switches())
+
+
 def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,
                         bias: torch.Tensor | None, path: str) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <fcntl.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -16,6 +18,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <system_error>
@@ -37,9 +40,10 @@ int64_t spin_us_from_env() {
 
 constexpr int kYieldEvery = 64;  // pause instructions between sched_yield calls of a spin
 // The machine counts as oversubscribed when, after its own chunks, the caller waited this long
-// for a worker's (and over a quarter of its own chunks' time, which a long region's imbalance
-// alone can reach): a worker was preempted holding a chunk. Workers then sleep at once after
-// each region, as OpenMP's passive policy does, for `kPassiveFor`, and spin again after.
+// for a worker's (and over a quarter of its own chunks' time) and more threads are runnable than
+// there are CPUs (`oversubscribed`): a worker was preempted holding a chunk. Workers then sleep
+// at once after each region, as OpenMP's passive policy does, for `kPassiveFor`, and spin again
+// after.
 constexpr auto kContendedWait = std::chrono::microseconds(200);
 constexpr auto kPassiveFor = std::chrono::milliseconds(100);
 
@@ -53,7 +57,29 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
           nullptr, 0);
 }
 
+// Whether more threads are runnable than the machine has CPUs online (both counted system-wide:
+// /proc/loadavg's "running/total" field). Asked only when a wait looked like a preempted worker:
+// on a quiet VM a long region's halves also differ by hundreds of microseconds, and a worker
+// that slept answers its wake-up that late, so without this check the pool went passive on a
+// quiet machine and, every region then waking its workers, stayed so.
+bool oversubscribed() {
+  const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return true;  // unknown: as if it were
+  char buf[128];
+  const ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return true;
+  buf[n] = '\0';
+  const char* slash = std::strchr(buf, '/');
+  if (slash == nullptr) return true;
+  const char* p = slash;
+  while (p > buf && p[-1] >= '0' && p[-1] <= '9') --p;
+  const long running = std::strtol(p, nullptr, 10);
+  return running > sysconf(_SC_NPROCESSORS_ONLN);
+}
+
 thread_local bool in_region = false;  // this thread is running a region's chunk
+std::atomic<int64_t> passive_switches{0};  // times any pool of the process went passive
 
 class Pool {
  public:
@@ -87,9 +113,10 @@ class Pool {
         if (i % kYieldEvery == 0) sched_yield();
       }
       const auto waited = Clock::now() - mine_done;
-      if (waited > kContendedWait && waited * 4 > mine_done - start) {
+      if (waited > kContendedWait && waited * 4 > mine_done - start && oversubscribed()) {
         passive_until_.store((Clock::now() + kPassiveFor).time_since_epoch().count(),
                              std::memory_order_relaxed);
+        passive_switches.fetch_add(1, std::memory_order_relaxed);
       }
     }
     fn_ = nullptr;
@@ -241,4 +268,12 @@ at::Tensor convert(const at::Tensor& t, at::ScalarType dtype) {
   return out;
 }
 
+int64_t pool_passive_switches() { return passive_switches.load(std::memory_order_relaxed); }
+
 }  // namespace arborlm_cpu
+
+TORCH_LIBRARY_FRAGMENT(arborlm, m) { m.def("pool_passive_switches() -> int"); }
+
+TORCH_LIBRARY_IMPL(arborlm, CatchAll, m) {
+  m.impl("pool_passive_switches", &arborlm_cpu::pool_passive_switches);
+}

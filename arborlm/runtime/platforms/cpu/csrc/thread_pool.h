@@ -33,4 +33,9 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn);
 // the rest of the step.
 at::Tensor convert(const at::Tensor& t, at::ScalarType dtype);
 
+// How many times the pool has switched its workers to passive waiting (`thread_pool.cpp`:
+// a caller kept waiting by a worker preempted on an oversubscribed machine), since the library
+// loaded: `torch.ops.arborlm.pool_passive_switches()`.
+int64_t pool_passive_switches();
+
 }  // namespace arborlm_cpu
