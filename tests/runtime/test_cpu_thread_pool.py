@@ -10,6 +10,8 @@ sum in a fixed order, whichever thread runs it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -52,6 +54,44 @@ def test_any_thread_count_gives_the_one_thread_result(cases, torch_threads, thre
     for _ in range(3):  # the pool's workers are reused (and may have gone to sleep) between calls
         for f, want in zip(cases, expected):
             assert torch.equal(f(), want)
+
+
+_BACK_TO_BACK = """
+import sys, torch
+from gguf import GGMLQuantizationType as T
+from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
+from arborlm.runtime.platforms.cpu.quant_linear import quantize_weight
+assert cpu_kernels.quant_linear_available()  # loads the operators
+gen = torch.Generator().manual_seed(3)
+calls = []
+for out in (32, 4096, 48, 1000, 16):  # 2 to 16 chunks a region
+    q = quantize_weight(torch.randn(out, 256, generator=gen) * 0.05, T.Q4_0)
+    x = torch.randn(1, 256, generator=gen).bfloat16()
+    calls.append(lambda x=x, q=q: cpu_kernels.quant_linear(x, q, int(T.Q4_0), path="vnni2"))
+torch.set_num_threads(1)
+expected = [f() for f in calls]
+torch.set_num_threads(int(sys.argv[1]))
+for i in range(int(sys.argv[2])):
+    for f, want in zip(calls, expected):
+        assert torch.equal(f(), want), i
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_back_to_back_regions_of_different_chunk_counts(threads):
+    """Regions follow each other with different numbers of chunks (a decode step: a linear's
+    output columns in 8 chunks a thread, then 2-chunk glue, then the next linear). A worker
+    still holding the last region's ticket must never claim a chunk of the next one: while the
+    chunk count was checked apart from the ticket, one now and then did, ran a chunk with the
+    next region's fields and counted it there; the caller then hung, or returned while a chunk
+    still ran (a segfault; with 3 threads this loop hung within seconds). In a child process,
+    so that a hang fails the test rather than the session."""
+    if not cpu_kernels.quant_linear_available() or "vnni2" not in cpu_kernels.quant_paths():
+        pytest.skip("needs the integer quant_linear path")
+    proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, str(threads), "30000"],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 def test_concurrent_callers_each_get_their_own_result(cases, torch_threads):
@@ -143,3 +183,32 @@ def test_an_oversubscribed_machine_switches_the_pool_to_passive(torch_threads):
         for p in busy:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 40_000])
+def test_convert_rounds_as_torch_does(n):
+    """The kernels' float32 -> bfloat16 narrowing (16 lanes at a time where AVX-512 is granted,
+    the rest one by one) and widening are torch's conversions bit for bit, on every kind of
+    value: halfway cases (ties to even, both ways), values that round up into the next binade
+    or to infinity, subnormals, signed zeros, infinities, and NaNs, which stay NaN (their bits
+    are c10::BFloat16's 0x7FC0; torch's own vectorized copy gives 0xFFFF, its scalar one
+    0x7FC0)."""
+    if not cpu_kernels.packed_linear_available():
+        pytest.skip("the kernels do not build here")
+    gen = torch.Generator().manual_seed(n)
+    bits = torch.randint(-2**31, 2**31, (n,), generator=gen, dtype=torch.int64)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00000001,
+                            0x807FFFFF, 0x00000000, 0x80000000, 0x7F800000, 0xFF800000,
+                            0x7FC00001, 0xFFFFFFFF, 0x7F800001, 0x3F7FFFFF, 0xBF808000],
+                           dtype=torch.int64)
+    k = min(n, len(special))
+    bits[:k] = special[:k]
+    x = bits.to(torch.int32).view(torch.float32)
+    got = cpu_kernels.convert(x, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    want = x.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    back = cpu_kernels.convert(got, torch.float32)
+    assert torch.equal(back.view(torch.int32), got.float().view(torch.int32))

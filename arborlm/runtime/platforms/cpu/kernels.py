@@ -478,6 +478,12 @@ def pool_passive_switches() -> int:
     return int(torch.ops.arborlm.pool_passive_switches())
 
 
+def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` as the kernels convert between float32 and bfloat16 (on their own pool,
+    vectorized; bit for bit torch's rounding), for the tests that hold it to torch's."""
+    return torch.ops.arborlm.convert(x, dtype)
+
+
 def _quant_linear_shape(x: torch.Tensor, weight: torch.Tensor, qtype: int,
                         bias: torch.Tensor | None, path: str) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))

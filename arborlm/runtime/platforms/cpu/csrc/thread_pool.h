@@ -27,11 +27,23 @@ using RangeFn = std::function<void(int64_t, int64_t)>;
 // every chunk has finished.
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn);
 
+// As `parallel_for`, in up to `split` chunks per thread (each of at least `grain` items), which
+// the threads claim in order as they come free: a thread that starts late or runs slower (a
+// worker woken a moment after the caller, a vCPU the host is sharing) takes fewer, so the
+// region ends when the work does rather than when the slower fixed half does. For long regions
+// over uniform items (a linear's output columns); each chunk costs one atomic claim.
+void parallel_for_balanced(int64_t begin, int64_t end, int64_t grain, int64_t split,
+                           const RangeFn& fn);
+
 // `t.to(dtype)`, on the pool where it is float32 <-> bfloat16 of a contiguous tensor (bit for bit
 // torch's conversion: round to nearest even). torch's copy would run an OpenMP region for a
 // large tensor (a head's 49,152 logits), and OpenMP's threads then spin beside the pool's for
 // the rest of the step.
 at::Tensor convert(const at::Tensor& t, at::ScalarType dtype);
+
+// n float32 values to bfloat16 bits as `convert` rounds them (torch's rounding: to nearest
+// even; NaN to 0x7FC0), 16 at a time where the CPU has AVX-512 (F, BW, VL).
+void to_bf16(const float* src, uint16_t* dst, int64_t n);
 
 // How many times the pool has switched its workers to passive waiting (`thread_pool.cpp`:
 // a caller kept waiting by a worker preempted on an oversubscribed machine), since the library
