@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "vec_math.h"
 #include "thread_pool.h"
@@ -35,6 +37,31 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
     *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
 }
+
+// A call's buffer of n T's (contents unspecified): up to kReusedBytes, a vector the calling
+// thread keeps from call to call (`reused`, a thread_local of the caller), so that a decode
+// step's ~50 small linears allocate nothing; larger (a prefill's), the call's own, freed when it
+// returns, so that no thread holds a prefill's buffers after it.
+template <typename T>
+class Scratch {
+ public:
+  static constexpr int64_t kReusedBytes = int64_t{1} << 18;
+
+  Scratch(std::vector<T>& reused, int64_t n) {
+    if (n * static_cast<int64_t>(sizeof(T)) <= kReusedBytes) {
+      if (static_cast<int64_t>(reused.size()) < n) reused.resize(n);
+      p_ = reused.data();
+    } else {
+      own_.reset(new T[n]);  // left uninitialized, as at::empty's
+      p_ = own_.get();
+    }
+  }
+  T* data() { return p_; }
+
+ private:
+  std::unique_ptr<T[]> own_;
+  T* p_;
+};
 
 // Rows of x quantized per 32-value block: quants [rows, in] int8, scales d and scaled sums
 // d * sum(q) [rows, in / 32].
@@ -80,16 +107,21 @@ inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t*
 
 constexpr int kMaxRows = 4;       // rows sharing each unpacked weight block
 constexpr int64_t kColTile = 64;  // columns whose weight rows stay cached while all rows pass
+// Chunks per thread (`parallel_for_balanced`): on the 2-vCPU development VM a decode linear's
+// fixed halves ended ~7 us apart on average (0.4 ms of a 4 ms q4_0 token spent waiting).
+constexpr int64_t kSplit = 8;
 
-// Columns in tiles of `kColTile` across threads; in each, rows `kMaxRows` at a time:
-// tile(std::integral_constant<int, MR>, t0, j0, j1). With one pass of rows (at most
-// `kMaxRows`) no weight is read twice, so the tiles are 16 columns instead: two threads then
-// get even shares of small outputs (192 columns: 6 tiles each).
+// Columns in tiles of `kColTile` across threads (claimed in `kSplit` chunks each); in each,
+// rows `kMaxRows` at a time: tile(std::integral_constant<int, MR>, t0, j0, j1), which writes
+// y [rows, out]. With one pass of rows (at most `kMaxRows`) no weight is read twice, so the
+// tiles are 16 columns instead. With `narrow`, each chunk's columns of y are then rounded to
+// bfloat16 into narrow [rows, out] by the thread that computed them, while they are in its
+// cache (the caller would otherwise convert all of y alone after the region).
 template <typename Tile>
-void over_tiles(int64_t rows, int64_t out, const Tile& tile) {
+void over_tiles(int64_t rows, int64_t out, const float* y, uint16_t* narrow, const Tile& tile) {
   const int64_t width = rows <= kMaxRows ? 16 : kColTile;
   const int64_t tiles = (out + width - 1) / width;
-  arborlm_cpu::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  arborlm_cpu::parallel_for_balanced(0, tiles, 1, kSplit, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t j0 = c * width, j1 = std::min(out, j0 + width);
       for (int64_t t0 = 0; t0 < rows; t0 += kMaxRows) {
@@ -101,13 +133,21 @@ void over_tiles(int64_t rows, int64_t out, const Tile& tile) {
         }
       }
     }
+    if (narrow != nullptr) {
+      const int64_t j0 = begin * width, j1 = std::min(out, end * width);
+      for (int64_t t = 0; t < rows; ++t) {
+        arborlm_cpu::to_bf16(y + t * out + j0, narrow + t * out + j0, j1 - j0);
+      }
+    }
   });
 }
 
 // "vnni" / "vnni2" (`split`) or, with `avx2`, "avx2_int" four blocks at a time (`quant_wide.cpp`)
 // where it takes `qtype` (the 32-value types, Q4_K and Q6_K; AVX-512 also needs AVX512-VBMI):
-// y [rows, out] = x (as `a`) times the packed weight (+ bias). False where it does not.
+// y [rows, out] = x (as `a`) times the packed weight (+ bias), and with `narrow` y in bfloat16
+// there too (`over_tiles`). False where it does not.
 bool wide_linear(int64_t qtype, bool split, bool avx2, const Activations& a, int64_t rows,
-                 const uint8_t* w, int64_t row_bytes, int64_t out, const float* bias, float* y);
+                 const uint8_t* w, int64_t row_bytes, int64_t out, const float* bias, float* y,
+                 uint16_t* narrow);
 
 }  // namespace arborlm_quant

@@ -184,8 +184,9 @@ void portable(int64_t qtype, const float* x, int64_t rows, int64_t in, const uin
 // With q2 (non-null), the block's residual x - d q is quantized too, with step d / 256
 // (|residual| <= d / 2, so its quants fit int8 once +-128 is clamped to +-127: signed weights
 // negate them): x = d (q + q2 / 256) to within d / 256, and s = d * (sum(q) + sum(q2) / 256).
-VNNI_TARGET void quantize_block(const float* xb, int8_t* q, int8_t* q2, float* d, float* s) {
-  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+// The block's values 0-15 in a, 16-31 in b.
+VNNI_TARGET inline void quantize_values(__m512 a, __m512 b, int8_t* q, int8_t* q2, float* d,
+                                        float* s) {
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const float db = amax / 127.0f;
   const float id = db != 0.0f ? 1.0f / db : 0.0f;
@@ -209,6 +210,21 @@ VNNI_TARGET void quantize_block(const float* xb, int8_t* q, int8_t* q2, float* d
     sum += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(wa, wb))) / 256.0f;
   }
   *s = db * sum;
+}
+
+VNNI_TARGET void quantize_block(const float* xb, int8_t* q, int8_t* q2, float* d, float* s) {
+  quantize_values(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16), q, q2, d, s);
+}
+
+// The same from 32 bfloat16 values, widened (exactly) in registers.
+VNNI_TARGET inline __m512 widen16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+VNNI_TARGET void quantize_block_bf16(const uint16_t* xb, int8_t* q, int8_t* q2, float* d,
+                                     float* s) {
+  quantize_values(widen16(xb), widen16(xb + 16), q, q2, d, s);
 }
 
 
@@ -583,39 +599,60 @@ inline void int_tile(const Activations& a, int64_t t0, const uint8_t* w, int64_t
 
 template <int QT, bool SPLIT, bool AVX2>
 void int_linear(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
-                int64_t out, const float* bias, float* y) {
-  over_tiles(rows, out, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
+                int64_t out, const float* bias, float* y, uint16_t* narrow) {
+  over_tiles(rows, out, y, narrow, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
     int_tile<QT, decltype(mr)::value, SPLIT, AVX2>(a, t0, w, row_bytes, j0, j1, bias, y, out);
   });
 }
 
-// "vnni" (SPLIT false), "vnni2" (SPLIT true) and, with AVX2, "avx2_int" (SPLIT true).
+// "vnni" (SPLIT false), "vnni2" (SPLIT true) and, with AVX2, "avx2_int" (SPLIT true). x is
+// float32, or bfloat16 (`bf16_x`), each block widened (exactly) as it is quantized. y as
+// `over_tiles` writes it (with `narrow`, in bfloat16 there too).
 template <bool SPLIT, bool AVX2>
-void int_path(int64_t qtype, const float* x, int64_t rows, int64_t in, const uint8_t* w,
-              int64_t row_bytes, int64_t out, const float* bias, float* y) {
+void int_path(int64_t qtype, const void* x, bool bf16_x, int64_t rows, int64_t in,
+              const uint8_t* w, int64_t row_bytes, int64_t out, const float* bias, float* y,
+              uint16_t* narrow) {
   const int64_t blocks = in / 32;
-  std::vector<int8_t> q(rows * in);
-  std::vector<float> d(rows * blocks), s(rows * blocks);
-  std::vector<int8_t> q2(SPLIT ? rows * in : 0);
+  thread_local std::vector<int8_t> reused_q, reused_q2;
+  thread_local std::vector<float> reused_d, reused_s;
+  Scratch<int8_t> q(reused_q, rows * in), q2(reused_q2, SPLIT ? rows * in : 0);
+  Scratch<float> d(reused_d, rows * blocks), s(reused_s, rows * blocks);
   int8_t* q2p = SPLIT ? q2.data() : nullptr;
   // Rows are contiguous and `in` a multiple of 32: block i is x[32 i .. 32 i + 32).
   auto* quantize = AVX2 ? &quantize_block_avx2 : &quantize_block;
+  const auto* xf = static_cast<const float*>(x);
+  const auto* xb = static_cast<const uint16_t*>(x);
   arborlm_cpu::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    float widened[32];
     for (int64_t i = begin; i < end; ++i) {
-      quantize(x + i * 32, q.data() + i * 32, q2p ? q2p + i * 32 : nullptr, &d[i], &s[i]);
+      if (!AVX2 && bf16_x) {
+        quantize_block_bf16(xb + i * 32, q.data() + i * 32, q2p ? q2p + i * 32 : nullptr,
+                            d.data() + i, s.data() + i);
+        continue;
+      }
+      const float* block = xf + i * 32;
+      if (bf16_x) {
+        for (int k = 0; k < 32; ++k) {
+          const uint32_t bits = static_cast<uint32_t>(xb[i * 32 + k]) << 16;
+          std::memcpy(&widened[k], &bits, 4);
+        }
+        block = widened;
+      }
+      quantize(block, q.data() + i * 32, q2p ? q2p + i * 32 : nullptr, d.data() + i,
+               s.data() + i);
     }
   });
   const Activations a{q.data(), q2p, d.data(), s.data(), in, blocks};
-  if (wide_linear(qtype, SPLIT, AVX2, a, rows, w, row_bytes, out, bias, y)) return;
+  if (wide_linear(qtype, SPLIT, AVX2, a, rows, w, row_bytes, out, bias, y, narrow)) return;
   switch (qtype) {
-    case Q8_0: return int_linear<Q8_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_0: return int_linear<Q4_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_1: return int_linear<Q4_1, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_0: return int_linear<Q5_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_1: return int_linear<Q5_1, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
-    case Q4_K: return int_linear<Q4_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
-    case Q5_K: return int_linear<Q5_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
-    case Q6_K: return int_linear<Q6_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y);
+    case Q8_0: return int_linear<Q8_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
+    case Q4_0: return int_linear<Q4_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
+    case Q4_1: return int_linear<Q4_1, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
+    case Q5_0: return int_linear<Q5_0, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
+    case Q5_1: return int_linear<Q5_1, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
+    case Q4_K: return int_linear<Q4_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
+    case Q5_K: return int_linear<Q5_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
+    case Q6_K: return int_linear<Q6_K, SPLIT, AVX2>(a, rows, w, row_bytes, out, bias, y, narrow);
     default: TORCH_CHECK(false, "quant_linear: unsupported type ", qtype);
   }
 }
@@ -1000,26 +1037,37 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
   if (use_amx && bf16_dot && rows > 0 && out > 0) {  // else as "float" (float32 x: FMAs)
     return amx_linear(qtype, x.contiguous(), weight.data_ptr<uint8_t>(), row_bytes, out, b);
   }
-  const at::Tensor xc =
-      bf16_dot ? x.contiguous() : arborlm_cpu::convert(x.contiguous(), at::kFloat);
-  at::Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
+  // bfloat16 x goes as it is to the AVX512-BF16 dot product and to the integer paths (which
+  // widen each block as they quantize it); the others take float32.
+  const bool int_x = use_vnni || use_avx2_int;
+  const at::Tensor xc = bf16_dot || int_x ? x.contiguous()
+                                          : arborlm_cpu::convert(x.contiguous(), at::kFloat);
+  // The integer paths round bfloat16 outputs in the region (`over_tiles`), from float32 sums in
+  // a buffer this thread keeps: a decode step's linears then allocate only their outputs.
+  const bool narrow_inside = int_x && dtype == at::kBFloat16;
+  thread_local std::vector<float> reused_y;
+  Scratch<float> sums(reused_y, narrow_inside ? rows * out : 0);
+  at::Tensor y = at::empty({rows, out}, x.options().dtype(narrow_inside ? dtype : at::kFloat));
   if (rows > 0 && out > 0) {
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     const uint8_t* wp = weight.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
+    float* yp = narrow_inside ? sums.data() : y.data_ptr<float>();
+    auto* np = narrow_inside ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
     if (bf16_dot) {
       float_path<true>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
     } else if (use_float) {
       float_path<false>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
-    } else {
+    } else if (int_x) {
       auto* fn = split ? &int_path<true, false>
-                 : use_vnni ? &int_path<false, false>
-                 : use_avx2_int ? &int_path<true, true>
-                 : use_avx2 ? &avx2 : &portable;
-      fn(qtype, xc.data_ptr<float>(), rows, in, wp, row_bytes, out, bp, yp);
+                 : use_vnni ? &int_path<false, false> : &int_path<true, true>;
+      fn(qtype, xc.data_ptr(), dtype == at::kBFloat16, rows, in, wp, row_bytes, out, bp, yp,
+         np);
+    } else {
+      (use_avx2 ? &avx2 : &portable)(qtype, xc.data_ptr<float>(), rows, in, wp, row_bytes, out,
+                                     bp, yp);
     }
   }
-  return arborlm_cpu::convert(y, dtype);
+  return narrow_inside ? y : arborlm_cpu::convert(y, dtype);
 }
 
 }  // namespace

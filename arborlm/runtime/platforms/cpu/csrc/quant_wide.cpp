@@ -56,10 +56,11 @@ struct WideActs {
   std::vector<int32_t> start, start2;
   std::vector<float> d, s;
   int64_t groups, starts;  // starts per group: 16 or 32
+  int offset;  // the type's `offset_of`
 };
 
-WideActs wide_acts(const Activations& a, int64_t rows, int64_t qtype) {
-  WideActs w;
+// x's groups into w (its vectors refilled; kept by the caller's thread for small calls).
+void wide_acts(const Activations& a, int64_t rows, int64_t qtype, WideActs& w) {
   const bool split = a.q2 != nullptr;
   const int offset = offset_of(qtype);
   w.groups = (a.blocks + 3) / 4;
@@ -103,7 +104,56 @@ WideActs wide_acts(const Activations& a, int64_t rows, int64_t qtype) {
       }
     }
   });
-  return w;
+}
+
+// `wide_acts` with each lane's start computed in one `vpdpbusd` against ones (the sum of its
+// 4 signed quants; exact), for the AVX-512 paths: group i of w (row t, group g).
+VBMI_TARGET void wide_group_vnni(const Activations& a, int64_t i, WideActs& w) {
+  const bool split = a.q2 != nullptr;
+  const int64_t t = i / w.groups, g = i % w.groups;
+  const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+  const __m512i minus_offset = _mm512_set1_epi32(-w.offset);
+  for (int term = 0; term < (split ? 2 : 1); ++term) {
+    int8_t* dst = (term ? w.q2 : w.q).data() + i * 128;
+    for (int k = 0; k < 4 && 4 * g + k < a.blocks; ++k) {
+      const int8_t* src = (term ? a.q2 : a.q) + (t * a.blocks + 4 * g + k) * 32;
+      std::memcpy(dst + 16 * k, src, 16);
+      std::memcpy(dst + 64 + 16 * k, src + 16, 16);
+    }
+    const __m512i lo = _mm512_dpbusd_epi32(zero, ones, _mm512_loadu_si512(dst));
+    const __m512i hi = _mm512_dpbusd_epi32(zero, ones, _mm512_loadu_si512(dst + 64));
+    int32_t* start = (term ? w.start2 : w.start).data() + i * w.starts;
+    if (w.starts == 32) {
+      _mm512_storeu_si512(start, _mm512_mullo_epi32(lo, minus_offset));
+      _mm512_storeu_si512(start + 16, _mm512_mullo_epi32(hi, minus_offset));
+    } else {
+      _mm512_storeu_si512(start, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), minus_offset));
+    }
+  }
+  for (int k = 0; k < 4 && 4 * g + k < a.blocks; ++k) {
+    const int64_t at = t * a.blocks + 4 * g + k;
+    for (int l = 0; l < 4; ++l) w.d[i * 16 + 4 * k + l] = split ? a.d[at] / 256.0f : a.d[at];
+    w.s[i * 16 + 4 * k] = a.s[at];
+  }
+}
+
+void wide_acts_vnni(const Activations& a, int64_t rows, int64_t qtype, WideActs& w) {
+  const bool split = a.q2 != nullptr;
+  w.groups = (a.blocks + 3) / 4;
+  w.starts = two_scales(qtype) ? 32 : 16;
+  w.offset = offset_of(qtype);
+  const int64_t n = rows * w.groups;
+  w.q.assign(n * 128, 0);  // a last, part group's missing blocks are zeros
+  w.start.resize(n * w.starts);
+  if (split) {
+    w.q2.assign(n * 128, 0);
+    w.start2.resize(n * w.starts);
+  }
+  w.d.assign(n * 16, 0.0f);
+  w.s.assign(n * 16, 0.0f);
+  arborlm_cpu::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) wide_group_vnni(a, i, w);
+  });
 }
 
 // Byte (or 16-bit word) indices into two 64-byte loads of a group, the first at its start and
@@ -512,16 +562,25 @@ AVX2_TARGET void wide_tile_avx2(const WideActs& a, int64_t blocks, int64_t t0, c
 
 template <int QT, bool SPLIT, bool AVX2>
 void wide_typed(const Activations& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
-                 int64_t out, const float* bias, float* y) {
-  const WideActs wa = wide_acts(a, rows, QT);
+                 int64_t out, const float* bias, float* y, uint16_t* narrow) {
+  // A decode row's groups in a buffer this thread keeps (as `Scratch` does), a prefill's in
+  // the call's own.
+  thread_local WideActs reused;
+  WideActs own;
+  WideActs& wa = rows * a.in * 2 <= Scratch<int8_t>::kReusedBytes ? reused : own;
   if constexpr (AVX2) {
-    over_tiles(rows, out, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
+    wide_acts(a, rows, QT, wa);
+  } else {
+    wide_acts_vnni(a, rows, QT, wa);
+  }
+  if constexpr (AVX2) {
+    over_tiles(rows, out, y, narrow, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
       wide_tile_avx2<QT, decltype(mr)::value, SPLIT>(wa, a.blocks, t0, w, row_bytes, j0, j1,
                                                      bias, y, out);
     });
   } else {
     const WideUnpack<QT> unpack;
-    over_tiles(rows, out, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
+    over_tiles(rows, out, y, narrow, [&](auto mr, int64_t t0, int64_t j0, int64_t j1) {
       wide_tile<QT, decltype(mr)::value, SPLIT>(wa, unpack, a.blocks, t0, w, row_bytes, j0, j1,
                                                 bias, y, out);
     });
@@ -531,17 +590,18 @@ void wide_typed(const Activations& a, int64_t rows, const uint8_t* w, int64_t ro
 }  // namespace
 
 bool wide_linear(int64_t qtype, bool split, bool avx2, const Activations& a, int64_t rows,
-                 const uint8_t* w, int64_t row_bytes, int64_t out, const float* bias, float* y) {
+                 const uint8_t* w, int64_t row_bytes, int64_t out, const float* bias, float* y,
+                 uint16_t* narrow) {
   if (!wide_type(qtype) || (!avx2 && !__builtin_cpu_supports("avx512vbmi"))) return false;
   // "avx2_int" is always two-term; "vnni" (one term) runs on AVX-512 only.
   const auto run = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     if (avx2) {
-      wide_typed<QT, true, true>(a, rows, w, row_bytes, out, bias, y);
+      wide_typed<QT, true, true>(a, rows, w, row_bytes, out, bias, y, narrow);
     } else if (split) {
-      wide_typed<QT, true, false>(a, rows, w, row_bytes, out, bias, y);
+      wide_typed<QT, true, false>(a, rows, w, row_bytes, out, bias, y, narrow);
     } else {
-      wide_typed<QT, false, false>(a, rows, w, row_bytes, out, bias, y);
+      wide_typed<QT, false, false>(a, rows, w, row_bytes, out, bias, y, narrow);
     }
   };
   switch (qtype) {
