@@ -59,21 +59,29 @@ struct WideActs {
   int offset;  // the type's `offset_of`
 };
 
-// x's groups into w (its vectors refilled; kept by the caller's thread for small calls).
-void wide_acts(const Activations& a, int64_t rows, int64_t qtype, WideActs& w) {
-  const bool split = a.q2 != nullptr;
-  const int offset = offset_of(qtype);
+// w sized for `rows` rows of x (its vectors refilled with zeros: a last, part group's missing
+// blocks stay so; w is kept by the caller's thread for small calls); returns its groups.
+int64_t size_wide_acts(const Activations& a, int64_t rows, int64_t qtype, WideActs& w) {
   w.groups = (a.blocks + 3) / 4;
   w.starts = two_scales(qtype) ? 32 : 16;
+  w.offset = offset_of(qtype);
   const int64_t n = rows * w.groups;
   w.q.assign(n * 128, 0);
   w.start.assign(n * w.starts, 0);
-  if (split) {
+  if (a.q2 != nullptr) {
     w.q2.assign(n * 128, 0);
     w.start2.assign(n * w.starts, 0);
   }
   w.d.assign(n * 16, 0.0f);
   w.s.assign(n * 16, 0.0f);
+  return n;
+}
+
+// x's groups into w, each lane's start summed one quant at a time (the AVX2 path's).
+void wide_acts(const Activations& a, int64_t rows, int64_t qtype, WideActs& w) {
+  const bool split = a.q2 != nullptr;
+  const int offset = offset_of(qtype);
+  const int64_t n = size_wide_acts(a, rows, qtype, w);
   arborlm_cpu::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / w.groups, g = i % w.groups;
@@ -138,19 +146,7 @@ VBMI_TARGET void wide_group_vnni(const Activations& a, int64_t i, WideActs& w) {
 }
 
 void wide_acts_vnni(const Activations& a, int64_t rows, int64_t qtype, WideActs& w) {
-  const bool split = a.q2 != nullptr;
-  w.groups = (a.blocks + 3) / 4;
-  w.starts = two_scales(qtype) ? 32 : 16;
-  w.offset = offset_of(qtype);
-  const int64_t n = rows * w.groups;
-  w.q.assign(n * 128, 0);  // a last, part group's missing blocks are zeros
-  w.start.resize(n * w.starts);
-  if (split) {
-    w.q2.assign(n * 128, 0);
-    w.start2.resize(n * w.starts);
-  }
-  w.d.assign(n * 16, 0.0f);
-  w.s.assign(n * 16, 0.0f);
+  const int64_t n = size_wide_acts(a, rows, qtype, w);
   arborlm_cpu::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) wide_group_vnni(a, i, w);
   });

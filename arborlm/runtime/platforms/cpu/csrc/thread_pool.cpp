@@ -79,8 +79,8 @@ bool oversubscribed() {
   return running > sysconf(_SC_NPROCESSORS_ONLN);
 }
 
-constexpr uint64_t kChunkMask = 0xffff;  // chunks of a region: at most this many
-constexpr int64_t kMaxChunks = 0xffff;
+constexpr uint64_t kChunkMask = 0xffff;  // a ticket's chunk fields
+constexpr int64_t kMaxChunks = static_cast<int64_t>(kChunkMask);  // chunks of a region, at most
 
 thread_local bool in_region = false;  // this thread is running a region's chunk
 std::atomic<int64_t> passive_switches{0};  // times any pool of the process went passive
