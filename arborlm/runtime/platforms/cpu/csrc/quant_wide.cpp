@@ -342,47 +342,88 @@ VBMI_TARGET inline void wide_dots(const WideGroup& u, const int8_t* x, const int
   }
 }
 
-template <int QT, int MR, bool SPLIT>
-VBMI_TARGET void wide_tile(const WideActs& a, const WideUnpack<QT>& unpack, int64_t blocks,
-                           int64_t t0, const uint8_t* w, int64_t row_bytes, int64_t j0,
-                           int64_t j1, const float* bias, float* y, int64_t ldy) {
-  const int64_t whole = blocks / 4, tail = blocks % 4;
-  const uint8_t* end = w + ldy * row_bytes;  // y's row stride is the weight's number of rows
-  for (int64_t j = j0; j < j1; ++j) {
-    const uint8_t* row = w + j * row_bytes;
-    if (t0 == 0) prefetch_ahead(row, row_bytes, end);  // later passes find the tile cached
-    __m512 acc[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < a.groups; ++g) {
-      const WideGroup u = unpack(row, g, g < whole ? 4 : static_cast<int>(tail));
+// Columns [j, j + NC) of rows [t0, t0 + MR): each output one pass over its weight row's groups,
+// the NC columns side by side so that they share each group's activation loads and their
+// accumulator chains run interleaved (a decode row's column otherwise waits on one chain of
+// FMAs and its own horizontal sum). Each output's arithmetic is the same whatever NC.
+template <int QT, int MR, bool SPLIT, int NC>
+VBMI_TARGET inline void wide_columns(const WideActs& a, const WideUnpack<QT>& unpack,
+                                     int64_t whole, int tail, int64_t t0, const uint8_t* w,
+                                     int64_t row_bytes, int64_t j, const uint8_t* end,
+                                     const float* bias, float* y, int64_t ldy) {
+  const uint8_t* rows[NC];
+  for (int c = 0; c < NC; ++c) {
+    rows[c] = w + (j + c) * row_bytes;
+    if (t0 == 0) prefetch_ahead(rows[c], row_bytes, end);  // later passes find the tile cached
+  }
+  __m512 acc[MR][NC];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
+  const int64_t groups = a.groups, starts = a.starts;
+  const int8_t* q = a.q.data();
+  const int8_t* q2 = a.q2.data();
+  const int32_t* start = a.start.data();
+  const int32_t* start2 = a.start2.data();
+  const float* d = a.d.data();
+  const float* s = a.s.data();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int nb = g < whole ? 4 : tail;
+    WideGroup u[NC];
 #pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const int64_t at = (t0 + m) * a.groups + g;
+    for (int c = 0; c < NC; ++c) u[c] = unpack(rows[c], g, nb);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (t0 + m) * groups + g;
+      const __m512 dx = _mm512_loadu_ps(d + at * 16);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) {
         __m512i dot, dot_hi = _mm512_setzero_si512();
-        wide_dots<QT>(u, a.q.data() + at * 128, a.start.data() + at * a.starts, &dot, &dot_hi);
+        wide_dots<QT>(u[c], q + at * 128, start + at * starts, &dot, &dot_hi);
         if constexpr (SPLIT) {  // 256 dot(w, q) + dot(w, q2): exact in int32 (|.| < 2^26)
           __m512i dot2, dot2_hi = _mm512_setzero_si512();
-          wide_dots<QT>(u, a.q2.data() + at * 128, a.start2.data() + at * a.starts, &dot2,
-                        &dot2_hi);
+          wide_dots<QT>(u[c], q2 + at * 128, start2 + at * starts, &dot2, &dot2_hi);
           dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dot2);
           if constexpr (two_scales(QT)) {
             dot_hi = _mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot2_hi);
           }
         }
-        const __m512 dx = _mm512_loadu_ps(a.d.data() + at * 16);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(u.scale, dx), acc[m]);
+        acc[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(u[c].scale, dx),
+                                    acc[m][c]);
         if constexpr (two_scales(QT)) {
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_hi), _mm512_mul_ps(u.scale_hi, dx),
-                                   acc[m]);
+          acc[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_hi),
+                                      _mm512_mul_ps(u[c].scale_hi, dx), acc[m][c]);
         }
         if constexpr (has_minimum(QT)) {
-          acc[m] = _mm512_fmadd_ps(u.minimum, _mm512_loadu_ps(a.s.data() + at * 16), acc[m]);
+          acc[m][c] = _mm512_fmadd_ps(u[c].minimum, _mm512_loadu_ps(s + at * 16), acc[m][c]);
         }
       }
     }
-    for (int m = 0; m < MR; ++m) {
-      y[(t0 + m) * ldy + j] = sum16(acc[m]) + (bias ? bias[j] : 0.0f);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NC; ++c)
+      y[(t0 + m) * ldy + j + c] = sum16(acc[m][c]) + (bias ? bias[j + c] : 0.0f);
+}
+
+// Columns [j0, j1) of rows [t0, t0 + MR), `kWideColumns` at a time where one row passes.
+constexpr int kWideColumns = 4;
+
+template <int QT, int MR, bool SPLIT>
+VBMI_TARGET void wide_tile(const WideActs& a, const WideUnpack<QT>& unpack, int64_t blocks,
+                           int64_t t0, const uint8_t* w, int64_t row_bytes, int64_t j0,
+                           int64_t j1, const float* bias, float* y, int64_t ldy) {
+  const int64_t whole = blocks / 4;
+  const int tail = static_cast<int>(blocks % 4);
+  const uint8_t* end = w + ldy * row_bytes;  // y's row stride is the weight's number of rows
+  int64_t j = j0;
+  if constexpr (MR == 1) {
+    for (; j + kWideColumns <= j1; j += kWideColumns) {
+      wide_columns<QT, MR, SPLIT, kWideColumns>(a, unpack, whole, tail, t0, w, row_bytes, j, end,
+                                                bias, y, ldy);
     }
+  }
+  for (; j < j1; ++j) {
+    wide_columns<QT, MR, SPLIT, 1>(a, unpack, whole, tail, t0, w, row_bytes, j, end, bias, y,
+                                   ldy);
   }
 }
 
