@@ -93,6 +93,9 @@ struct Linear {
   std::vector<std::pair<int64_t, int64_t>> parts;  // (weight index of the blocks, ggml type)
   bool stack = false;  // a QuantLinearStack: its bias is added after the parts, in x's dtype
   std::optional<at::Tensor> bias;
+  // One packed part (not a stack): its blocks and row bytes, checked, for `quant_linear_into`.
+  const uint8_t* blocks = nullptr;
+  int64_t row_bytes = 0;
 };
 
 using Weights = std::vector<std::optional<at::Tensor>>;
@@ -108,9 +111,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   return arborlm_cpu::quant_linear(x, blocks, qtype, bias, path);
 }
 
-// x [rows, in] (contiguous) times `l` -> [rows, out] in x's dtype.
+// x [rows, in] (contiguous) times `l` -> [rows, out] in x's dtype: into `into` (contiguous [rows,
+// out] in x's dtype, kept by the caller from layer to layer) where one packed part runs on an
+// integer path, its inputs checked once a call (no per-call checks, allocations or tensors).
 at::Tensor apply(const Weights& w, const Linear& l, const at::Tensor& x, int64_t out,
-                 const std::string& path) {
+                 const std::string& path, at::Tensor& into) {
+  if (l.blocks != nullptr &&
+      arborlm_cpu::quant_linear_into(x.data_ptr(), x.scalar_type() == at::kBFloat16, x.size(0),
+                                     x.size(1), l.blocks, l.row_bytes, out, l.parts[0].second,
+                                     l.bias ? l.bias->data_ptr<float>() : nullptr, path,
+                                     into.data_ptr())) {
+    return into;
+  }
   if (l.panels >= 0) return linear(x, *w[l.panels], l.bias, out);
   if (!l.stack) return packed_linear(x, *w[l.parts[0].first], l.parts[0].second, l.bias, path);
   std::vector<at::Tensor> ys;
@@ -119,6 +131,14 @@ at::Tensor apply(const Weights& w, const Linear& l, const at::Tensor& x, int64_t
   at::Tensor y = at::cat(ys, 1);
   if (l.bias) y.add_(l.bias->to(y.scalar_type()));
   return y;
+}
+
+// Names the packed weight `l` reads to the pool (`arborlm_cpu::prefetch_hint`), before the serial
+// steps that precede it: its last part's end, which the pool's first worker takes first.
+void hint(const Weights& w, const Linear& l) {
+  if (l.panels >= 0) return;
+  const at::Tensor& t = *w[l.parts.back().first];
+  arborlm_cpu::prefetch_hint(t.data_ptr(), static_cast<int64_t>(t.nbytes()));
 }
 
 using arborlm_cpu::widen;
@@ -260,8 +280,15 @@ at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& pos
   const int64_t qkv_size = q_size + 2 * kv_size;
   at::Tensor q = at::empty({rows, heads, head_dim}, opts);  // attention's queries, contiguous
   at::Tensor act = at::empty({rows, inter}, opts);
+  // Where `apply` writes the packed linears' outputs, one buffer per linear of a layer: each
+  // output is read (down's by the next layer's first step) before that linear runs again.
+  at::Tensor qkv_out = at::empty({rows, qkv_size}, opts), o_out = at::empty({rows, hidden}, opts);
+  at::Tensor gate_up_out = at::empty({rows, 2 * inter}, opts);
+  at::Tensor down_out = at::empty({rows, hidden}, opts);
+  at::Tensor head_out = at::empty({rows, embed.size(0)}, opts);
   T* r = residual.data_ptr<T>();
   T* hp = h.data_ptr<T>();
+  hint(w, in.linears[0]);
   for (int64_t l = 0; l < layers; ++l) {
     const auto* lw = &w[l * kPerLayer];
     const Linear* ll = &in.linears[4 * l];
@@ -269,7 +296,8 @@ at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& pos
       if (x.defined()) add_into(x.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
       rms_norm(r + b * hidden, lw[0]->data_ptr<T>(), hp + b * hidden, hidden, fe);
     });
-    at::Tensor qkv = apply(w, ll[0], h, qkv_size, in.path);
+    at::Tensor qkv = apply(w, ll[0], h, qkv_size, in.path, qkv_out);
+    hint(w, ll[1]);
     T* k_dst = k_pool[l].data_ptr<T>();
     T* v_dst = v_pool[l].data_ptr<T>();
     each_row(rows, [&](int64_t b) {
@@ -291,24 +319,27 @@ at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& pos
       merge(own, own_lse, pre, pre_lse);
       attn = own;
     }
-    at::Tensor o = apply(w, ll[1], attn.view({rows, q_size}), hidden, in.path);
+    at::Tensor o = apply(w, ll[1], attn.view({rows, q_size}), hidden, in.path, o_out);
+    hint(w, ll[2]);
     each_row(rows, [&](int64_t b) {
       add_into(o.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
       rms_norm(r + b * hidden, lw[5]->data_ptr<T>(), hp + b * hidden, hidden, fe);
     });
-    at::Tensor gate_up = apply(w, ll[2], h, 2 * inter, in.path);
+    at::Tensor gate_up = apply(w, ll[2], h, 2 * inter, in.path, gate_up_out);
+    hint(w, ll[3]);
     each_row(rows, [&](int64_t b) {
       silu_mul(gate_up.data_ptr<T>() + b * 2 * inter, act.data_ptr<T>() + b * inter, inter);
     });
-    x = apply(w, ll[3], act, hidden, in.path);
+    x = apply(w, ll[3], act, hidden, in.path, down_out);
+    hint(w, in.linears[4 * (l + 1)]);  // the next layer's qkv, or after the last the head
   }
   each_row(rows, [&](int64_t b) {
     if (x.defined()) add_into(x.data_ptr<T>() + b * hidden, r + b * hidden, hidden);
     rms_norm(r + b * hidden, final_norm.data_ptr<T>(), hp + b * hidden, hidden, fe);
   });
   // float32 logits [rows, V], widened on the kernels' pool (`arborlm_cpu::convert`)
-  return arborlm_cpu::convert(apply(w, in.linears[4 * layers], h, embed.size(0), in.path),
-                              at::kFloat);
+  return arborlm_cpu::convert(
+      apply(w, in.linears[4 * layers], h, embed.size(0), in.path, head_out), at::kFloat);
 }
 
 // A packed record (see the top of this file): the weight it computes, its kind, its parts.
@@ -473,6 +504,10 @@ Inputs check_inputs(const at::Tensor& token, const at::Tensor& position, const a
       l = r->linear;
       ++used;
       check_packed(w, l, n_in, n_out, index);
+      if (r->kind == 0 && l.parts.size() == 1) {
+        l.blocks = w[l.parts[0].first]->data_ptr<uint8_t>();
+        l.row_bytes = w[l.parts[0].first]->size(1);
+      }
       TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                             bias->dim() == 1 && bias->size(0) == n_out),
                   "decode_step: bias ", index + 1, " must be float32 [", n_out, "]");

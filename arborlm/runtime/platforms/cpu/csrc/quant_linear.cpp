@@ -975,6 +975,22 @@ at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int6
   return y;
 }
 
+// The integer paths' run for x (float32, or bfloat16 where `bf16`) into y [rows, out] in x's
+// dtype: bfloat16 outputs rounded in the region (`over_tiles`) from float32 sums in a buffer
+// this thread keeps, so that a decode step's linears allocate nothing but their outputs.
+void int_run(int64_t qtype, const void* x, bool bf16, int64_t rows, int64_t in,
+             const uint8_t* w, int64_t row_bytes, int64_t out, const float* bias, bool split,
+             bool avx2, void* y) {
+  thread_local std::vector<float> reused_y;
+  Scratch<float> sums(reused_y, bf16 ? rows * out : 0);
+  float* yp = bf16 ? sums.data() : static_cast<float*>(y);
+  auto* np = bf16 ? static_cast<uint16_t*>(y) : nullptr;
+  auto* fn = avx2    ? &int_path<true, true>
+             : split ? &int_path<true, false>
+                     : &int_path<false, false>;
+  fn(qtype, x, bf16, rows, in, w, row_bytes, out, bias, yp, np);
+}
+
 bool cpu_has_avx512_float() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
@@ -1042,32 +1058,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t q
   const bool int_x = use_vnni || use_avx2_int;
   const at::Tensor xc = bf16_dot || int_x ? x.contiguous()
                                           : arborlm_cpu::convert(x.contiguous(), at::kFloat);
-  // The integer paths round bfloat16 outputs in the region (`over_tiles`), from float32 sums in
-  // a buffer this thread keeps: a decode step's linears then allocate only their outputs.
-  const bool narrow_inside = int_x && dtype == at::kBFloat16;
-  thread_local std::vector<float> reused_y;
-  Scratch<float> sums(reused_y, narrow_inside ? rows * out : 0);
-  at::Tensor y = at::empty({rows, out}, x.options().dtype(narrow_inside ? dtype : at::kFloat));
+  // The integer paths give outputs in x's dtype (`int_run`), the others float32.
+  at::Tensor y = at::empty({rows, out}, x.options().dtype(int_x ? dtype : at::kFloat));
   if (rows > 0 && out > 0) {
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     const uint8_t* wp = weight.data_ptr<uint8_t>();
-    float* yp = narrow_inside ? sums.data() : y.data_ptr<float>();
-    auto* np = narrow_inside ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
-    if (bf16_dot) {
-      float_path<true>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
+    if (int_x) {
+      int_run(qtype, xc.data_ptr(), dtype == at::kBFloat16, rows, in, wp, row_bytes, out, bp,
+              split, use_avx2_int, y.data_ptr());
+    } else if (bf16_dot) {
+      float_path<true>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp,
+                       y.data_ptr<float>());
     } else if (use_float) {
-      float_path<false>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp, yp);
-    } else if (int_x) {
-      auto* fn = split ? &int_path<true, false>
-                 : use_vnni ? &int_path<false, false> : &int_path<true, true>;
-      fn(qtype, xc.data_ptr(), dtype == at::kBFloat16, rows, in, wp, row_bytes, out, bp, yp,
-         np);
+      float_path<false>(qtype, xc.data_ptr(), rows, in, wp, row_bytes, out, bp,
+                        y.data_ptr<float>());
     } else {
       (use_avx2 ? &avx2 : &portable)(qtype, xc.data_ptr<float>(), rows, in, wp, row_bytes, out,
-                                     bp, yp);
+                                     bp, y.data_ptr<float>());
     }
   }
-  return narrow_inside ? y : arborlm_cpu::convert(y, dtype);
+  return int_x ? y : arborlm_cpu::convert(y, dtype);
 }
 
 }  // namespace
@@ -1077,6 +1087,18 @@ namespace arborlm_cpu {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                         const std::optional<at::Tensor>& bias, c10::string_view path) {
   return ::quant_linear(x, weight, qtype, bias, path);
+}
+
+bool quant_linear_into(const void* x, bool bf16, int64_t rows, int64_t in, const uint8_t* w,
+                       int64_t row_bytes, int64_t out, int64_t qtype, const float* bias,
+                       c10::string_view path, void* y) {
+  static const bool vnni = cpu_has_vnni(), has_avx2 = cpu_has_avx2();
+  const bool split = path == "vnni2", avx2 = path == "avx2_int";
+  // A path this CPU lacks goes to quant_linear, which says so.
+  const bool granted = avx2 ? has_avx2 : (split || path == "vnni") && vnni;
+  if (!granted || rows <= 0 || out <= 0) return false;
+  int_run(qtype, x, bf16, rows, in, w, row_bytes, out, bias, split, avx2, y);
+  return true;
 }
 
 bool quant_row_bytes(int64_t qtype, int64_t cols, int64_t* bytes) {

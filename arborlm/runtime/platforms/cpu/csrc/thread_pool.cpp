@@ -103,11 +103,11 @@ class Pool {
     error_ = nullptr;
     const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
     // Publishes the fields above: a worker reads them only after claiming a chunk of `gen`.
-    ticket_.store(gen << 32 | static_cast<uint64_t>(tasks) << 16, std::memory_order_release);
+    ticket_.store(gen << 32 | static_cast<uint64_t>(tasks), std::memory_order_release);
     signal_.fetch_add(1);
     if (sleepers_.load() > 0) futex_wake_all(&signal_);
     const auto start = Clock::now();
-    while (claim(gen)) {
+    while (claim(gen, false)) {
     }
     // The chunks claimed by workers: spin (yielding) until they finish; a worker holding one
     // was running a moment ago, so the wait is short unless the machine is oversubscribed.
@@ -130,20 +130,23 @@ class Pool {
   }
 
  private:
-  // Claims and runs the next chunk of region `gen`; false when none is left (or `gen` is over).
-  bool claim(uint64_t gen) {
-    // The region's chunk count travels in the ticket itself: checked apart (a field of the
-    // pool), a worker holding a ticket of a region that has just ended could read the next
-    // region's larger count before its ticket is published, and its claim then succeeded on the
-    // old ticket, ran a chunk with the next region's fields and counted it as done there.
+  // Claims and runs the first unclaimed chunk of region `gen` (with `from_back`, the last);
+  // false when none is left (or `gen` is over).
+  bool claim(uint64_t gen, bool from_back) {
+    // The unclaimed chunks travel in the ticket itself: checked apart (a field of the pool), a
+    // worker holding a ticket of a region that has just ended could read the next region's
+    // larger count before its ticket is published, and its claim then succeeded on the old
+    // ticket, ran a chunk with the next region's fields and counted it as done there.
     uint64_t t = ticket_.load(std::memory_order_acquire);
+    uint64_t task;
     for (;;) {
-      const uint64_t next = t & kChunkMask, tasks = (t >> 16) & kChunkMask;
-      if ((t >> 32) != gen || next >= tasks) return false;
-      if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) break;
+      const uint64_t front = (t >> 16) & kChunkMask, back = t & kChunkMask;
+      if ((t >> 32) != gen || front >= back) return false;
+      task = from_back ? back - 1 : front;
+      const uint64_t next = from_back ? t - 1 : t + (uint64_t{1} << 16);
+      if (ticket_.compare_exchange_weak(t, next, std::memory_order_acq_rel)) break;
     }
-    const int64_t task = static_cast<int64_t>(t & kChunkMask);
-    const int64_t b = begin_ + task * chunk_;
+    const int64_t b = begin_ + static_cast<int64_t>(task) * chunk_;
     const int64_t e = std::min(end_, b + chunk_);
     in_region = true;
     try {
@@ -170,23 +173,34 @@ class Pool {
     }
   }
 
+  // Where a worker's prefetching of a hinted range has got to (`prefetch_hint`).
+  struct Prefetching {
+    uint64_t hint = 0;  // the last hint seen
+    const uint8_t* begin = nullptr;
+    const uint8_t* next = nullptr;  // the range's lines below this one are still to be fetched
+  };
+
   // Worker `id` (0, 1, ...): it takes chunks of the regions that allow as many workers (a
   // region asks for fewer threads than the pool has grown to after set_num_threads lowers them).
+  // Worker 0 takes them from the back, where it has prefetched the hinted weight's end.
   void work(int64_t id) {
     uint32_t seen = signal_.load(std::memory_order_acquire);
+    Prefetching fetching;
     for (;;) {
-      seen = wait_for_signal(seen);
+      seen = wait_for_signal(seen, id == 0 ? &fetching : nullptr);
       const uint64_t gen = ticket_.load(std::memory_order_acquire) >> 32;
       if (id >= active_.load(std::memory_order_relaxed)) continue;
-      while (claim(gen)) {
+      while (claim(gen, id == 0)) {
       }
     }
   }
 
   // Waits until `signal_` moves past `seen`: spinning (yielding now and then, so that on a busy
   // machine the threads that have work run) for up to `spin_us_`, then asleep on the futex; at
-  // once while the machine counts as oversubscribed (`kContendedWait`).
-  uint32_t wait_for_signal(uint32_t seen) {
+  // once while the machine counts as oversubscribed (`kContendedWait`). With `fetching`, the
+  // spin first prefetches the hinted range into this core's L2, from its end down, a few lines
+  // between looks at the signal.
+  uint32_t wait_for_signal(uint32_t seen, Prefetching* fetching) {
     const auto now = Clock::now();
     const bool passive =
         now.time_since_epoch().count() < passive_until_.load(std::memory_order_relaxed);
@@ -194,6 +208,7 @@ class Pool {
     for (int i = 1; !passive; ++i) {
       const uint32_t sig = signal_.load(std::memory_order_acquire);
       if (sig != seen) return sig;
+      if (fetching != nullptr && prefetch_some(*fetching)) continue;
       _mm_pause();
       if (i % kYieldEvery == 0) {
         if (Clock::now() >= until) break;
@@ -210,10 +225,37 @@ class Pool {
     }
   }
 
+  // Prefetches up to kLinesPerLook more lines of the latest hint; false when none were left.
+  bool prefetch_some(Prefetching& f) {
+    const uint64_t hint = hint_seq_.load(std::memory_order_acquire);
+    if (hint != f.hint) {  // a new range (a torn pair is harmless: prefetches never fault)
+      f.hint = hint;
+      f.begin = hint_begin_.load(std::memory_order_relaxed);
+      f.next = hint_end_.load(std::memory_order_relaxed);
+    }
+    if (f.next <= f.begin) return false;
+    for (int k = 0; k < kLinesPerLook && f.next > f.begin; ++k) {
+      f.next -= 64;
+      _mm_prefetch(reinterpret_cast<const char*>(f.next), _MM_HINT_T1);
+    }
+    return true;
+  }
+
+ public:
+  void hint(const uint8_t* begin, const uint8_t* end) {
+    hint_begin_.store(begin, std::memory_order_relaxed);
+    hint_end_.store(end, std::memory_order_relaxed);
+    hint_seq_.fetch_add(1, std::memory_order_release);
+  }
+
+ private:
+  static constexpr int kLinesPerLook = 8;
   std::mutex call_;
-  // region generation << 32 | its chunks << 16 | the next chunk to claim
+  // region generation << 32 | the first unclaimed chunk << 16 | the end of the unclaimed ones
   std::atomic<uint64_t> ticket_{0};
   std::atomic<uint32_t> signal_{0};  // bumped per region; workers sleep on it
+  std::atomic<const uint8_t*> hint_begin_{nullptr}, hint_end_{nullptr};  // `prefetch_hint`'s
+  std::atomic<uint64_t> hint_seq_{0};  // bumped per hint
   std::atomic<int> sleepers_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<Clock::rep> passive_until_{0};  // workers sleep at once before this time
@@ -326,6 +368,12 @@ at::Tensor convert(const at::Tensor& t, at::ScalarType dtype) {
     });
   }
   return out;
+}
+
+void prefetch_hint(const void* data, int64_t bytes) {
+  const auto* begin = static_cast<const uint8_t*>(data);
+  const int64_t n = std::min(bytes, kPrefetchHintBytes);
+  if (n > 0) pool().hint(begin + (bytes - n), begin + bytes);
 }
 
 int64_t pool_passive_switches() { return passive_switches.load(std::memory_order_relaxed); }

@@ -28,10 +28,12 @@ using RangeFn = std::function<void(int64_t, int64_t)>;
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn);
 
 // As `parallel_for`, in up to `split` chunks per thread (each of at least `grain` items), which
-// the threads claim in order as they come free: a thread that starts late or runs slower (a
-// worker woken a moment after the caller, a vCPU the host is sharing) takes fewer, so the
-// region ends when the work does rather than when the slower fixed half does. For long regions
-// over uniform items (a linear's output columns); each chunk costs one atomic claim.
+// the threads claim as they come free (the caller and most workers the first unclaimed one; the
+// first worker, as in every region, the last: `prefetch_hint`): a thread that starts late or
+// runs slower (a worker woken a moment after the caller, a vCPU the host is sharing) takes
+// fewer, so the region ends when the work does rather than when the slower fixed half does.
+// For long regions over uniform items (a linear's output columns); each chunk costs one atomic
+// claim.
 void parallel_for_balanced(int64_t begin, int64_t end, int64_t grain, int64_t split,
                            const RangeFn& fn);
 
@@ -44,6 +46,15 @@ at::Tensor convert(const at::Tensor& t, at::ScalarType dtype);
 // n float32 values to bfloat16 bits as `convert` rounds them (torch's rounding: to nearest
 // even; NaN to 0x7FC0), 16 at a time where the CPU has AVX-512 (F, BW, VL).
 void to_bf16(const float* src, uint16_t* dst, int64_t n);
+
+// Which bytes the next region will read: the pool's first worker, which takes a region's
+// chunks from the back, prefetches the last kPrefetchHintBytes of them into its L2 while it
+// waits for the region (the caller meanwhile doing the serial steps before it). A decode step
+// names each packed weight before the glue that precedes it: on a machine whose memory
+// bandwidth bounds batch-1 decode, the bus otherwise idles through that glue. Only a hint: the
+// bytes need not stay valid (a prefetch never faults), and a newer hint replaces it.
+constexpr int64_t kPrefetchHintBytes = int64_t{1} << 18;
+void prefetch_hint(const void* data, int64_t bytes);
 
 // How many times the pool has switched its workers to passive waiting (`thread_pool.cpp`:
 // a caller kept waiting by a worker preempted on an oversubscribed machine), since the library
