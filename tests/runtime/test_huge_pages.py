@@ -2,7 +2,8 @@
 
 The arena is one mapping advised `MADV_HUGEPAGE` (its `hg` flag in /proc/self/smaps), hands out
 64-byte-aligned copies equal to their sources, and refuses to overflow; `move_decode_weights`
-moves every `PackedLinear`'s panels into it and the layers' products are unchanged;
+moves every `PackedLinear`'s panels and every packed GGUF table (`QuantLinear`, `QuantEmbedding`;
+a tied pair's one table once) into it and the layers' products are unchanged;
 `ARBORLM_HUGE_PAGES=0` leaves the model alone. (Whether the kernel then backs the mapping with
 2 MiB pages depends on free memory, so it is not asserted.)
 """
@@ -74,3 +75,44 @@ def test_decode_weights_move_and_keep_their_products(dtype, monkeypatch):
 
     monkeypatch.setenv("ARBORLM_HUGE_PAGES", "0")
     assert huge_pages.move_decode_weights(holder) is None
+
+
+def test_packed_gguf_weights_move_once_and_keep_their_products():
+    """`--quantization`'s tables: two linears and an embedding whose table a tied head shares.
+    Each table is copied once (the pair still shares one), and every product and lookup is
+    unchanged."""
+    from gguf import GGMLQuantizationType as T
+
+    from arborlm.runtime.platforms.cpu.quant_embedding import QuantEmbedding
+    from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear
+    from arborlm.runtime.platforms.cpu.quant_loading import quantize_weight
+
+    if not cpu_kernels.quant_linear_available():
+        pytest.skip("quant_linear did not build")
+    torch.manual_seed(0)
+    table = quantize_weight(torch.randn(100, 64), T.Q8_0)
+    holder = nn.ModuleDict({
+        "embed": QuantEmbedding(table, T.Q8_0, 64, torch.float32),
+        "up": QuantLinear(quantize_weight(torch.randn(96, 64), T.Q4_0), T.Q4_0, 64),
+        "down": QuantLinear(quantize_weight(torch.randn(64, 96), T.Q4_1), T.Q4_1, 96,
+                            bias=torch.randn(64)),
+        "head": QuantLinear(table, T.Q8_0, 64),
+    })
+    assert holder["head"].blocks.data_ptr() == holder["embed"].blocks.data_ptr()
+    ids, x = torch.tensor([3, 99, 0]), torch.randn(3, 64)
+
+    def outputs():
+        with torch.inference_mode():
+            return [holder["embed"](ids), holder["down"](holder["up"](x)), holder["head"](x)]
+
+    before = outputs()
+    arena = huge_pages.move_decode_weights(holder)
+    assert arena is not None
+    lo, hi = arena.address, arena.address + arena.nbytes
+    for name in ("embed", "up", "down", "head"):
+        assert lo <= holder[name].blocks.data_ptr() < hi
+    assert holder["head"].blocks.data_ptr() == holder["embed"].blocks.data_ptr()
+    sizes = [holder[n].blocks.numel() for n in ("embed", "up", "down")]
+    assert arena.used == sum(-(-n // 64) * 64 for n in sizes)
+    for got, want in zip(outputs(), before):
+        assert torch.equal(got, want)

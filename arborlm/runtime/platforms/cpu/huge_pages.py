@@ -6,8 +6,10 @@ every 64 cache lines; the page walks then cost a share of the bandwidth. Linux b
 memory with 2 MiB pages where a mapping asks for them (`MADV_HUGEPAGE`; `transparent_hugepage`
 set to `madvise`, the common default, gives them to no one else), but torch's allocator never
 asks. `HugePageArena` is one such mapping, and `move_decode_weights` copies into it the weights
-that ArborLM's decode kernel streams (each `PackedLinear`'s panels, `kernels.panel_linear`),
-which makes one-row products measurably faster (docs/performance.md, "CPU kernels").
+that ArborLM's decode kernels stream (each `PackedLinear`'s panels, `kernels.panel_linear`; the
+GGUF blocks of each `QuantLinear` and `QuantEmbedding`, `kernels.quant_linear`), which makes
+one-row products measurably faster (docs/performance.md, "CPU kernels" and "Quantized
+inference").
 
 Where the kernel has no huge pages (`never`, or not Linux), the arena is plain memory and changes
 nothing; `ARBORLM_HUGE_PAGES=0` skips it.
@@ -71,23 +73,44 @@ class HugePageArena:
         return out
 
 
-def move_decode_weights(model: nn.Module) -> HugePageArena | None:
-    """Copy every `PackedLinear`'s panels (the weights a decode step streams) into a new
-    `HugePageArena`; returns the arena (to keep), or None when there is nothing to move or no
-    huge pages here."""
+def decode_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The (module, attribute) of every CPU tensor a decode step streams: each `PackedLinear`'s
+    panels, each `QuantLinear`'s and `QuantEmbedding`'s packed blocks (a tied head's blocks are
+    its embedding's tensor: both are listed)."""
     from arborlm.runtime.platforms.cpu.linear import PackedLinear
+    from arborlm.runtime.platforms.cpu.quant_embedding import QuantEmbedding
+    from arborlm.runtime.platforms.cpu.quant_linear import QuantLinear
 
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)
-              and m.panels is not None and m.panels.device.type == "cpu"]
-    if not layers or not huge_pages_possible():
+    found = []
+    for m in model.modules():
+        name = "panels" if isinstance(m, PackedLinear) else \
+            "blocks" if isinstance(m, QuantLinear | QuantEmbedding) else None
+        t = getattr(m, name) if name is not None else None
+        if t is not None and t.device.type == "cpu":
+            found.append((m, name))
+    return found
+
+
+def move_decode_weights(model: nn.Module) -> HugePageArena | None:
+    """Copy the weights a decode step streams (`decode_weights`) into a new `HugePageArena`,
+    each tensor once however many modules share it; returns the arena (to keep), or None when
+    there is nothing to move or no huge pages here."""
+    found = decode_weights(model)
+    if not found or not huge_pages_possible():
         return None
-    total = sum(-(-m.panels.numel() * m.panels.element_size() // ALIGN) * ALIGN for m in layers)
+    unique: dict[tuple[int, int], torch.Tensor] = {}
+    for m, name in found:
+        t = getattr(m, name)
+        unique.setdefault((t.data_ptr(), t.numel() * t.element_size()), t)
+    total = sum(-(-n // ALIGN) * ALIGN for _, n in unique)
     arena = HugePageArena(total)
-    for m in layers:
-        m.panels = arena.copy(m.panels)
+    moved = {key: arena.copy(t) for key, t in unique.items()}
+    for m, name in found:
+        t = getattr(m, name)
+        setattr(m, name, moved[(t.data_ptr(), t.numel() * t.element_size())])
+    del unique
     _release_freed_memory()  # the weights' old copies (the allocator would keep them)
-    logger.info("%d linear weights (%.0f MB) on transparent huge pages", len(layers),
-                total / 2**20)
+    logger.info("%d weights (%.0f MB) on transparent huge pages", len(moved), total / 2**20)
     return arena
 
 
