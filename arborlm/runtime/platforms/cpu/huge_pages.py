@@ -8,8 +8,8 @@ set to `madvise`, the common default, gives them to no one else), but torch's al
 asks. `HugePageArena` is one such mapping, and `move_decode_weights` copies into it the weights
 that ArborLM's decode kernels stream (each `PackedLinear`'s panels, `kernels.panel_linear`; the
 GGUF blocks of each `QuantLinear` and `QuantEmbedding`, `kernels.quant_linear`), which makes
-one-row products measurably faster (docs/performance.md, "CPU kernels" and "Quantized
-inference").
+one-row products measurably faster (docs/performance.md, "CPU kernels" and "Packed GGUF
+weights against llama.cpp").
 
 Where the kernel has no huge pages (`never`, or not Linux), the arena is plain memory and changes
 nothing; `ARBORLM_HUGE_PAGES=0` skips it.
