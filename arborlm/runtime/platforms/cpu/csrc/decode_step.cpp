@@ -111,17 +111,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   return arborlm_cpu::quant_linear(x, blocks, qtype, bias, path);
 }
 
-// x [rows, in] (contiguous) times `l` -> [rows, out] in x's dtype: into `into` (contiguous [rows,
-// out] in x's dtype, kept by the caller from layer to layer) where one packed part runs on an
-// integer path, its inputs checked once a call (no per-call checks, allocations or tensors).
+// x [rows, in] (contiguous) times `l` -> [rows, out] in x's dtype: into `into` (made on first
+// use, [rows, out] in x's dtype, kept by the caller from layer to layer) where one packed part
+// runs on an integer path, its inputs checked once a call (no per-call checks or tensors).
 at::Tensor apply(const Weights& w, const Linear& l, const at::Tensor& x, int64_t out,
                  const std::string& path, at::Tensor& into) {
-  if (l.blocks != nullptr &&
-      arborlm_cpu::quant_linear_into(x.data_ptr(), x.scalar_type() == at::kBFloat16, x.size(0),
-                                     x.size(1), l.blocks, l.row_bytes, out, l.parts[0].second,
-                                     l.bias ? l.bias->data_ptr<float>() : nullptr, path,
-                                     into.data_ptr())) {
-    return into;
+  if (l.blocks != nullptr) {
+    if (!into.defined()) into = at::empty({x.size(0), out}, x.options());
+    if (arborlm_cpu::quant_linear_into(x.data_ptr(), x.scalar_type() == at::kBFloat16,
+                                       x.size(0), x.size(1), l.blocks, l.row_bytes, out,
+                                       l.parts[0].second,
+                                       l.bias ? l.bias->data_ptr<float>() : nullptr, path,
+                                       into.data_ptr())) {
+      return into;
+    }
   }
   if (l.panels >= 0) return linear(x, *w[l.panels], l.bias, out);
   if (!l.stack) return packed_linear(x, *w[l.parts[0].first], l.parts[0].second, l.bias, path);
@@ -280,12 +283,10 @@ at::Tensor step(const Inputs& in, const at::Tensor& token, const at::Tensor& pos
   const int64_t qkv_size = q_size + 2 * kv_size;
   at::Tensor q = at::empty({rows, heads, head_dim}, opts);  // attention's queries, contiguous
   at::Tensor act = at::empty({rows, inter}, opts);
-  // Where `apply` writes the packed linears' outputs, one buffer per linear of a layer: each
-  // output is read (down's by the next layer's first step) before that linear runs again.
-  at::Tensor qkv_out = at::empty({rows, qkv_size}, opts), o_out = at::empty({rows, hidden}, opts);
-  at::Tensor gate_up_out = at::empty({rows, 2 * inter}, opts);
-  at::Tensor down_out = at::empty({rows, hidden}, opts);
-  at::Tensor head_out = at::empty({rows, embed.size(0)}, opts);
+  // Where `apply` writes the packed linears' outputs (made by the first that needs each), one
+  // buffer per linear of a layer: each output is read (down's by the next layer's first step)
+  // before that linear runs again.
+  at::Tensor qkv_out, o_out, gate_up_out, down_out, head_out;
   T* r = residual.data_ptr<T>();
   T* hp = h.data_ptr<T>();
   hint(w, in.linears[0]);
