@@ -23,10 +23,13 @@ import pytest
 
 from tests.server.server_process import ServerProcess, running_server
 
-# Long enough to be in flight when the engine is killed: two run at a time, the rest wait.
-LONG = {"max_new_tokens": 1900, "ignore_eos": True, "temperature": 0}
+# Long enough to be in flight when the engine is killed: two run at a time, the rest wait. The
+# first two must not finish before the seventh arrives, on a busy machine too: 2,000 tokens of the
+# tiny model took 1.5 s, under the time seven requests took to arrive in one CI run.
+CONTEXT = 32768
+LONG = {"max_new_tokens": CONTEXT - 100, "ignore_eos": True, "temperature": 0}
 GREEDY = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}
-FLAGS = ("--context-length", "2048", "--max-running-requests", "2")
+FLAGS = ("--context-length", str(CONTEXT), "--max-running-requests", "2")
 CLIENT_TIMEOUT_S = 120.0  # a request still unanswered after this has hung
 SERVE_AGAIN_S = 60.0  # the brief: serving again within 60 s of the kill
 DEADLINE_S = 180.0  # how long the test polls for a state before failing
@@ -71,13 +74,19 @@ def _outcome(route: str, out: dict[str, Any]) -> str:
     return "finished"
 
 
-def _poll(what: str, check, deadline_s: float = DEADLINE_S):
-    deadline = time.monotonic() + deadline_s
+def _poll(what: str, check, deadline_s: float = DEADLINE_S, seen=lambda: None):
+    """Poll `check` until it holds; on timeout name what `seen()` showed (its changes, timed)."""
+    start = time.monotonic()
+    changes: list[tuple[float, Any]] = []
     while True:
         value = check()
         if value:
             return value
-        assert time.monotonic() < deadline, f"{what} not within {deadline_s} s"
+        now = seen()
+        if not changes or changes[-1][1] != now:
+            changes.append((round(time.monotonic() - start, 2), now))
+        assert time.monotonic() < start + deadline_s, (
+            f"{what} not within {deadline_s} s; seen (s, value): {changes[-20:]}")
         time.sleep(0.05)
 
 
@@ -120,13 +129,18 @@ def _refused_while_restarting(url: str) -> dict[str, Any] | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
 def test_killed_engine_process_is_replaced(make_tiny_model, victim):
-    with running_server(make_tiny_model("llama"), *FLAGS) as server:
+    model = make_tiny_model("llama", max_position_embeddings=CONTEXT)
+    with running_server(model, *FLAGS) as server:
         url = server.url
         want = httpx.post(url + "/generate", json={"text": "Hello", "sampling_params": GREEDY},
                           timeout=CLIENT_TIMEOUT_S).json()
         old = httpx.get(url + "/get_server_info", timeout=30).json()["engine_pids"]
         load = _load(url)
-        _poll("all requests in the engine", lambda: _in_engine(url) == len(load))
+        counts: list[int] = []
+        _poll("all requests in the engine",
+              lambda: counts.append(_in_engine(url)) or counts[-1] == len(load),
+              seen=lambda: (counts[-1], [_outcome(route, out) for route, out, thread in load
+                                         if not thread.is_alive()]))
         os.kill(old[victim], signal.SIGKILL)
         killed = time.monotonic()
 
