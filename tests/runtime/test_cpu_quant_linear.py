@@ -132,12 +132,14 @@ def test_matches_float64_reference(qtype, path, rows, out):
 
 @pytest.mark.parametrize("path", ["bf16", "amx"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows,out", [(1, 67), (7, 130), (130, 33), (40, 2100)])
+@pytest.mark.parametrize("rows,out", [(1, 67), (7, 130), (17, 45), (100, 70), (130, 33),
+                                      (40, 2100)])
 def test_bf16_path_matches_float64_reference(qtype, rows, out, path):
     """bfloat16 x on the kernel's float path: `vdpbf16ps` against weights rounded once to
     bfloat16 where the CPU has AVX512-BF16, x widened to float32 otherwise (the fallback: the
-    FMA kernel); on "amx", oneDNN's GEMM against the same bfloat16 weights (2100 outputs: more
-    than one ~1 MB chunk of them)."""
+    FMA kernel); on "amx", AMX tiles against the same bfloat16 weights up to 128 rows (17 and
+    100 rows: a part tile of x, an odd number of tiles; 45, 70 and 2100 outputs: part groups of
+    32 weight rows), oneDNN's GEMM above (130 rows)."""
     _skip_unless(path)
     inp = 512
     w, values, magnitude = _weight(qtype, out, inp, seed=int(qtype) * 7 + rows)
@@ -152,8 +154,8 @@ def _check_bias(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, values: np
                 magnitude: np.ndarray, path: str = "bf16") -> None:
     """y = x values^T + bias in bfloat16: the float64 reference with the bias, bounded as
     `_check` bounds the product (the bias adds its own magnitude to the output's rounding;
-    "amx": oneDNN rounds the product to bfloat16 before it adds the bias, itself in bfloat16,
-    so two more roundings)."""
+    "amx": above 128 rows oneDNN rounds the product to bfloat16 before it adds the bias, itself
+    in bfloat16, so two more roundings)."""
     x64 = x.double().numpy()
     ref = x64 @ values.T + bias.double().numpy()
     scale = np.abs(x64) @ magnitude.T
@@ -200,7 +202,7 @@ def test_rows_do_not_depend_on_the_batch_and_bias_adds(qtype, path):
         for i in range(x.shape[0]):
             one = cpu_kernels.quant_linear(xb[i:i + 1], w, int(qtype), path=path)
             assert torch.equal(one, yb[i:i + 1])
-    elif path == "amx":  # oneDNN blocks by rows: not batch-invariant; "bf16"'s values, its order
+    elif path == "amx":  # AMX's order of sums, not "bf16"'s: "bf16"'s values, not its bits
         ours = cpu_kernels.quant_linear(xb, w, int(qtype), path="bf16").float()
         assert torch.allclose(yb.float(), ours, rtol=2.0 ** -7, atol=1e-3 * ours.abs().max())
     else:  # widened to float32
@@ -242,22 +244,25 @@ def test_avx2_int_is_vnni2_bit_for_bit(qtype):
 
 
 def test_the_path_is_chosen_by_rows_and_can_be_forced(monkeypatch):
-    """The float path on the activations as they are ("bf16") from `FLOAT_PATH_ROWS` rows, two
-    int8 terms below (where the CPU has VNNI); without AVX-512 "avx2" from `FLOAT_PATH_ROWS`
-    rows and "avx2_int" below; without AVX2 "portable";
+    """The float path on the activations as they are ("bf16") from `FLOAT_PATH_ROWS` rows, or
+    "amx" from `AMX_ROWS` where the CPU grants AMX tiles (but never for deterministic
+    inference), two int8 terms below (where the CPU has VNNI); without AVX-512 "avx2" from
+    `FLOAT_PATH_ROWS` rows and "avx2_int" below; without AVX2 "portable";
     int8 activations, or bfloat16 ones widened to float32, only when asked for; an unknown name
     is refused."""
     _skip_unless("portable")
     here = cpu_kernels.quant_paths()
     monkeypatch.delenv("ARBORLM_QUANT_PATH", raising=False)
+    floats = "bf16" if "bf16" in here else "avx2" if "avx2" in here else "portable"
     many, few = cpu_kernels.quant_path(cpu_kernels.FLOAT_PATH_ROWS), cpu_kernels.quant_path(1)
-    assert many == ("bf16" if "bf16" in here else "avx2" if "avx2" in here else "portable")
+    amx_from_many = "amx" in here and cpu_kernels.AMX_ROWS <= cpu_kernels.FLOAT_PATH_ROWS
+    assert many == ("amx" if amx_from_many else floats)
     assert ("avx2" in here) == ("avx2_int" in here) == capabilities.has_avx2_fma()
     assert few == ("vnni2" if "vnni2" in here else "bf16" if "bf16" in here
                    else "avx2_int" if "avx2" in here else "portable")
-    assert cpu_kernels.batch_invariant_quant_path() == many
-    batch = cpu_kernels.quant_path(cpu_kernels.AMX_ROWS)
-    assert batch == ("amx" if "amx" in here else many)
+    assert cpu_kernels.batch_invariant_quant_path() == floats  # never "amx"
+    batch = cpu_kernels.quant_path(max(cpu_kernels.AMX_ROWS, cpu_kernels.FLOAT_PATH_ROWS))
+    assert batch == ("amx" if "amx" in here else floats)
     assert ("amx" in here) == ("bf16" in here and capabilities.has_amx_bf16())
     assert not {"vnni", "float"} & {many, few}
     monkeypatch.setenv("ARBORLM_QUANT_PATH", "portable")

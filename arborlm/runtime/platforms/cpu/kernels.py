@@ -64,7 +64,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("panel_gemm.cpp", "decode_attention.cpp", "elementwise.cpp",
                                     "packed_linear.cpp", "decode_step.cpp",
                                     "prefill_attention.cpp", "quant_linear.cpp", "quant_wide.cpp",
-                                    "thread_pool.cpp")]
+                                    "quant_amx.cpp", "thread_pool.cpp")]
 # The cache entry's name carries a hash of every source and header: the builder itself hashes
 # only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
 EXTENSION_NAME = "arborlm_cpu_kernels_" + hashlib.sha256(
@@ -421,9 +421,10 @@ QUANT_PATHS = ("portable", "avx2", "avx2_int", "float", "bf16", "vnni2", "vnni",
 # crossover holds without AVX-512, between "avx2" and "avx2_int".
 FLOAT_PATH_ROWS = 8
 # From this many rows, where the CPU lists AMX-BF16, "amx" (bfloat16 x against the weights
-# dequantized to bfloat16, oneDNN's AMX kernels): level with the float path at 16 rows, 1.5x
-# it at 32 and 3x at 128 (docs/performance.md, benchmarks/quant_linear.py).
-AMX_ROWS = 16
+# dequantized to bfloat16, 32 rows at a time, in AMX tiles): level with the float path at 6
+# rows, 1.1x it at 8, 1.6x at 16 and 2.6x at 32 (docs/performance.md, "Batch decode in our own
+# AMX tiles"; benchmarks/quant_linear.py).
+AMX_ROWS = 8
 
 
 def quant_paths() -> tuple[str, ...]:
@@ -465,10 +466,14 @@ def quant_path(rows: int = 1) -> str:
 
 def batch_invariant_quant_path() -> str:
     """The one path deterministic inference runs for every number of rows: `$ARBORLM_QUANT_PATH`
-    where set, else "bf16" (float activations, the default from `FLOAT_PATH_ROWS` rows: prefill
-    and batches stay fast, and one row loses a little against "vnni2"), else "avx2" (the same
+    where set, else "bf16" (float activations, the default from `FLOAT_PATH_ROWS` rows where
+    the CPU lacks AMX: prefill and batches stay fast, and one row loses a little against
+    "vnni2"; never "amx", whose prefills are oneDNN's, blocked by rows), else "avx2" (the same
     choice without AVX-512), else "portable"."""
-    return quant_path(FLOAT_PATH_ROWS)
+    if os.environ.get("ARBORLM_QUANT_PATH", ""):
+        return quant_path()
+    here = quant_paths()
+    return "bf16" if "bf16" in here else "avx2" if "avx2" in here else "portable"
 
 
 def pool_passive_switches() -> int:

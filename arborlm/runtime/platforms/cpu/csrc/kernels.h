@@ -42,8 +42,9 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q,
 // ("portable", "float", "vnni", "vnni2") -> [rows, out] in x's dtype (`arborlm::quant_linear`).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                         const std::optional<at::Tensor>& bias, c10::string_view path);
-// The same on an integer path ("vnni", "vnni2", "avx2_int"; false for any other, or no rows),
-// into y [rows, out] in x's dtype (float32, or bfloat16 where `bf16`), from raw pointers: for
+// The same on an integer path ("vnni", "vnni2", "avx2_int") or, for bfloat16 x of up to 128
+// rows where the CPU and OS grant AMX tiles, "amx" (false for any other, or no rows), into
+// y [rows, out] in x's dtype (float32, or bfloat16 where `bf16`), from raw pointers: for
 // the fused decode step, whose weights and paths are checked once a call (the path must be
 // one this CPU grants, the weight rows of `row_bytes` whole blocks of `in` values).
 bool quant_linear_into(const void* x, bool bf16, int64_t rows, int64_t in, const uint8_t* w,

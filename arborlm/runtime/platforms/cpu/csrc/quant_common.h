@@ -1,5 +1,6 @@
-// What quant_linear.cpp and quant_wide.cpp share: ggml's type numbers, the target attributes,
-// x quantized per block (`Activations`), a few AVX2 byte helpers, and the column-tile driver.
+// What quant_linear.cpp, quant_wide.cpp and quant_amx.cpp share: ggml's type numbers, the target
+// attributes, x quantized per block (`Activations`), a few AVX2 byte helpers, the column-tile
+// driver, and the AMX tile product's entry points.
 
 #pragma once
 
@@ -7,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -149,5 +151,17 @@ void over_tiles(int64_t rows, int64_t out, const float* y, uint16_t* narrow, con
 bool wide_linear(int64_t qtype, bool split, bool avx2, const Activations& a, int64_t rows,
                  const uint8_t* w, int64_t row_bytes, int64_t out, const float* bias, float* y,
                  uint16_t* narrow);
+
+// Weight rows [j0, j0 + n) dequantized to bfloat16 into buf [n][in], on the calling thread.
+using DequantRows = std::function<void(int64_t j0, int64_t n, uint16_t* buf)>;
+
+// Whether this CPU has AMX-BF16 tiles and the OS grants them to this process (`quant_amx.cpp`).
+bool amx_tiles_granted();
+
+// y [rows, out] bfloat16 = x [rows, in] bfloat16 times the weight that `dequant` yields
+// (+ bias float32, or null) through AMX tiles (`quant_amx.cpp`), on the kernels' pool. Only
+// where `amx_tiles_granted()`; `in` a multiple of 32.
+void amx_tile_linear(const uint16_t* x, int64_t rows, int64_t in, int64_t out, const float* bias,
+                     const DequantRows& dequant, uint16_t* y);
 
 }  // namespace arborlm_quant

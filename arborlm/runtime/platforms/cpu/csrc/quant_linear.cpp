@@ -32,8 +32,10 @@
 // - "avx2_int", for the same CPUs: "vnni2" with AVX2's byte products (`vpmaddubsw`, then
 //   `vpmaddwd` against ones) in place of `vpdpbusd`, the same outputs bit for bit (the types
 //   `quant_wide.cpp` takes four blocks at a time, in two 256-bit halves).
-// - "amx", for batches of bfloat16 x: the weight dequantized to bfloat16 as "float" does, ~1 MB
-//   at a time, times x by oneDNN (`amx_linear`, below: AMX tiles where the CPU grants them).
+// - "amx", for batches of bfloat16 x: the weight dequantized to bfloat16 as "float" does, 32 rows
+//   at a time, times x in AMX tiles (`quant_amx.cpp`) up to 128 rows where the CPU and OS grant
+//   them; above that (prefill), or without the tiles, ~1 MB at a time times x by oneDNN
+//   (`amx_linear`, below).
 // - "portable", for CPUs without those instructions: each 32-value block dequantized to
 //   float32 on the stack and dotted with x unquantized. Compiled for baseline x86-64, so it
 //   runs anywhere; slower, never an illegal instruction.
@@ -859,11 +861,12 @@ void float_path(int64_t qtype, const void* x, int64_t rows, int64_t in, const ui
 // ---- the "amx" path -------------------------------------------------------------------------
 //
 // Batches of bfloat16 x: the weight dequantized to bfloat16 (the "bf16" path's values, each
-// weight rounded once), ~1 MB of rows at a time into a scratch that stays in L2, times x by
-// ATen's linear, which is oneDNN's brgemm: AMX tiles where the CPU and OS grant them (figures:
-// docs/performance.md, "Batches through oneDNN"). Not batch-invariant (oneDNN blocks by rows),
-// so deterministic inference never picks it. `cpu_kernels.quant_path` picks it from
-// `AMX_ROWS` rows where the CPU lists AMX-BF16.
+// weight rounded once). Up to `kAmxSplitRows` rows, where the CPU and OS grant AMX tiles, our
+// own tile product over 32 dequantized rows at a time (`quant_amx.cpp`); otherwise ~1 MB of rows
+// at a time into a scratch that stays in L2, times x by ATen's linear, which is oneDNN's brgemm
+// (figures: docs/performance.md, "Batches through oneDNN" and "Batch decode in our own AMX
+// tiles"). Not the "bf16" path's order of sums, so deterministic inference never picks it.
+// `cpu_kernels.quant_path` picks it from `AMX_ROWS` rows where the CPU lists AMX-BF16.
 
 // Rows j0 .. j0 + n of the weight dequantized to bfloat16 into `out`, on the calling thread.
 template <int QT>
@@ -932,7 +935,8 @@ at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t*
 constexpr int64_t kAmxSplitRows = 128;
 
 // x [rows, in] bfloat16 (contiguous) times the packed weight [out, row bytes] (+ bias float32,
-// or undefined) -> [rows, out] bfloat16. Up to `kAmxSplitRows` rows (batch decode) the outputs
+// or undefined) -> [rows, out] bfloat16. Up to `kAmxSplitRows` rows (batch decode): AMX tiles
+// (`amx_tile_linear`) where granted; else the outputs
 // are split over the kernels' pool in chunks of rows of ~0.5 MB of bfloat16 weights; each
 // thread dequantizes a chunk into its own scratch (it stays in L2) and multiplies it by oneDNN
 // on that thread alone. (oneDNN's own OpenMP threads, between the pool's regions, spin beside
@@ -943,6 +947,16 @@ at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int6
                       int64_t out, const at::Tensor& bias) {
   const int64_t rows = x.size(0), in = x.size(1);
   if (rows > kAmxSplitRows) return amx_linear_prefill(qtype, x, w, row_bytes, out, bias);
+  if (amx_tiles_granted()) {
+    at::Tensor y = at::empty({rows, out}, x.options());
+    amx_tile_linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, in, out,
+                    bias.defined() ? bias.data_ptr<float>() : nullptr,
+                    [&](int64_t j0, int64_t n, uint16_t* buf) {
+                      dequant_rows(qtype, w, row_bytes, out, j0, n, in, buf);
+                    },
+                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    return y;
+  }
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
   const int64_t per_thread = (out + threads - 1) / threads;
   const int64_t chunk = std::min(std::max<int64_t>(16, (int64_t{1} << 19) / (2 * in)),
@@ -1093,6 +1107,15 @@ bool quant_linear_into(const void* x, bool bf16, int64_t rows, int64_t in, const
                        int64_t row_bytes, int64_t out, int64_t qtype, const float* bias,
                        c10::string_view path, void* y) {
   static const bool vnni = cpu_has_vnni(), has_avx2 = cpu_has_avx2();
+  if (path == "amx" && bf16 && rows > 0 && rows <= kAmxSplitRows && out > 0 &&
+      amx_tiles_granted()) {
+    amx_tile_linear(static_cast<const uint16_t*>(x), rows, in, out, bias,
+                    [&](int64_t j0, int64_t n, uint16_t* buf) {
+                      dequant_rows(qtype, w, row_bytes, out, j0, n, in, buf);
+                    },
+                    static_cast<uint16_t*>(y));
+    return true;
+  }
   const bool split = path == "vnni2", avx2 = path == "avx2_int";
   // A path this CPU lacks goes to quant_linear, which says so.
   const bool granted = avx2 ? has_avx2 : (split || path == "vnni") && vnni;
