@@ -1,7 +1,8 @@
-// `quant_linear`'s "amx" path for batch decode (up to `kAmxTileRows` rows of bfloat16 x): AMX
-// tiles driven here, on weights dequantized to bfloat16 32 rows at a time into a buffer that
-// stays in L1/L2, in place of a oneDNN call per ~0.5 MB chunk (its dispatch and its reorder of
-// the weight into AMX's layout each cost a pass that the product itself does not need).
+// `quant_linear`'s "amx" path for batch decode (up to 128 rows of bfloat16 x, `kAmxSplitRows` in
+// quant_linear.cpp): AMX tiles driven here, on weights dequantized to bfloat16 32 rows at a time
+// into a buffer that stays in L1/L2, in place of a oneDNN call per ~0.5 MB chunk (its dispatch
+// and its reorder of the weight into AMX's layout each cost a pass that the product itself does
+// not need).
 //
 // The product is computed transposed: C = W x^T, so the weight's rows, as dequantized, are the
 // A tiles (16 weight rows x 32 values, read straight from the buffer), and x, laid out once per
@@ -9,8 +10,9 @@
 // tiles: four float32 accumulators (two halves of 32 weight rows x two tiles of 16 rows of x),
 // two A and two B. `tdpbf16ps` multiplies bfloat16 pairs exactly and sums in float32; the sums
 // are transposed on the way out, the bias (float32) added, and each output rounded to bfloat16
-// once. Not batch-invariant (a row's sums do not depend on the other rows, but the order of
-// each sum is AMX's, not the "bf16" path's), so deterministic inference never picks "amx".
+// once. Each output is one sum in a fixed order whatever the other rows are, but not the "bf16"
+// path's order, nor oneDNN's above 128 rows: deterministic inference, which needs one order for
+// every number of rows, never picks "amx".
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -44,8 +46,9 @@ struct alignas(64) TileConfig {
 };
 
 // x [rows, in] bfloat16 -> B tiles: for tile t of 16 rows and step s of 32 values, 16 lines of
-// 16 (row, pair) dwords: xp[((t * steps + s) * 16 + kp) * 16 + j] = the pair (x[16t + j][32s + 2kp],
-// x[16t + j][32s + 2kp + 1]), zeros past the last row. `tiles` is even (the kernel takes pairs).
+// 16 (row, pair) dwords: xp[((t * steps + s) * 16 + kp) * 16 + j] = the pair
+// (x[16t + j][32s + 2kp], x[16t + j][32s + 2kp + 1]), zeros past the last row. `tiles` is even
+// (the kernel takes pairs).
 void lay_out_x(const uint16_t* x, int64_t rows, int64_t in, int64_t tiles, uint32_t* xp) {
   const int64_t steps = in / 32;
   std::memset(xp, 0, sizeof(uint32_t) * tiles * steps * 16 * 16);
