@@ -931,6 +931,18 @@ at::Tensor amx_linear_prefill(int64_t qtype, const at::Tensor& x, const uint8_t*
   return y;
 }
 
+// x [rows, in] bfloat16 times the packed weight (+ bias float32, or null) -> y [rows, out]
+// bfloat16 in AMX tiles (`amx_tile_linear`), each thread dequantizing its own groups of rows.
+// Only where `amx_tiles_granted()`.
+void amx_tiles(int64_t qtype, const void* x, int64_t rows, int64_t in, const uint8_t* w,
+               int64_t row_bytes, int64_t out, const float* bias, void* y) {
+  amx_tile_linear(static_cast<const uint16_t*>(x), rows, in, out, bias,
+                  [&](int64_t j0, int64_t n, uint16_t* buf) {
+                    dequant_rows(qtype, w, row_bytes, out, j0, n, in, buf);
+                  },
+                  static_cast<uint16_t*>(y));
+}
+
 // Above this many rows (prefills) `amx_linear` gives each ~1 MB chunk to oneDNN's own threads.
 constexpr int64_t kAmxSplitRows = 128;
 
@@ -949,12 +961,8 @@ at::Tensor amx_linear(int64_t qtype, const at::Tensor& x, const uint8_t* w, int6
   if (rows > kAmxSplitRows) return amx_linear_prefill(qtype, x, w, row_bytes, out, bias);
   if (amx_tiles_granted()) {
     at::Tensor y = at::empty({rows, out}, x.options());
-    amx_tile_linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, in, out,
-                    bias.defined() ? bias.data_ptr<float>() : nullptr,
-                    [&](int64_t j0, int64_t n, uint16_t* buf) {
-                      dequant_rows(qtype, w, row_bytes, out, j0, n, in, buf);
-                    },
-                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    amx_tiles(qtype, x.data_ptr(), rows, in, w, row_bytes, out,
+              bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr());
     return y;
   }
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
@@ -1109,11 +1117,7 @@ bool quant_linear_into(const void* x, bool bf16, int64_t rows, int64_t in, const
   static const bool vnni = cpu_has_vnni(), has_avx2 = cpu_has_avx2();
   if (path == "amx" && bf16 && rows > 0 && rows <= kAmxSplitRows && out > 0 &&
       amx_tiles_granted()) {
-    amx_tile_linear(static_cast<const uint16_t*>(x), rows, in, out, bias,
-                    [&](int64_t j0, int64_t n, uint16_t* buf) {
-                      dequant_rows(qtype, w, row_bytes, out, j0, n, in, buf);
-                    },
-                    static_cast<uint16_t*>(y));
+    amx_tiles(qtype, x, rows, in, w, row_bytes, out, bias, y);
     return true;
   }
   const bool split = path == "vnni2", avx2 = path == "avx2_int";
