@@ -22,18 +22,20 @@ from pathlib import Path
 import psutil
 import pytest
 
+from arborlm.runtime.platforms.cpu import kernel_build
 from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 from tests.conftest import REPO_ROOT
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from arborlm.runtime.platforms.cpu.kernels import _build_lock
+from arborlm.runtime.platforms.cpu.kernel_build import _build_lock
 with _build_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(3600)  # until the test kills it
 """
 BUILD = """
+from arborlm.runtime.platforms.cpu import kernel_build
 from arborlm.runtime.platforms.cpu import kernels as cpu_kernels
 print("built" if cpu_kernels.build() else "failed", flush=True)
 """
@@ -60,11 +62,11 @@ def test_build_lock_names_its_holder_and_dies_with_it(tmp_path, caplog):
         acquired = threading.Event()
 
         def wait_for_lock() -> None:
-            with cpu_kernels._build_lock(directory):
+            with kernel_build._build_lock(directory):
                 acquired.set()
 
         waiter = threading.Thread(target=wait_for_lock)
-        with caplog.at_level(logging.WARNING, logger=cpu_kernels.logger.name):
+        with caplog.at_level(logging.WARNING, logger=kernel_build.logger.name):
             waiter.start()
             _poll("the waiting note", lambda: f"waiting for pid {holder.pid}" in caplog.text)
         assert not acquired.is_set()
@@ -93,7 +95,7 @@ def _compiling(proc: psutil.Process) -> bool:
 def test_build_killed_midway_does_not_block_the_next(tmp_path):
     if not cpu_kernels.packed_linear_available():
         pytest.skip("the kernels do not build on this machine")
-    directory = tmp_path / "cpu_kernels" / cpu_kernels.EXTENSION_NAME
+    directory = tmp_path / "cpu_kernels" / kernel_build.EXTENSION_NAME
     first = subprocess.Popen([sys.executable, "-c", BUILD], cwd=REPO_ROOT, env=_env(tmp_path),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
@@ -119,9 +121,9 @@ def test_the_build_names_its_own_copy_of_the_sources():
     cached kernels, and the two took turns rebuilding them (minutes each on a busy machine)."""
     if not cpu_kernels.packed_linear_available():
         pytest.skip("the kernels do not build on this machine")
-    directory = cpu_kernels.build_dir()
+    directory = kernel_build.build_dir()
     commands = (directory / "build.ninja").read_text()
     assert str(directory / "src" / "panel_gemm.cpp") in commands
-    assert str(cpu_kernels.CSRC) not in commands
-    for source in cpu_kernels.CSRC.glob("*.[ch]*"):
+    assert str(kernel_build.CSRC) not in commands
+    for source in kernel_build.CSRC.glob("*.[ch]*"):
         assert (directory / "src" / source.name).read_bytes() == source.read_bytes()

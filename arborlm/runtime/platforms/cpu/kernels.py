@@ -1,4 +1,4 @@
-"""ArborLM's own CPU kernels: C++ torch operators, their build, and their Python entry points.
+"""ArborLM's own CPU kernels: C++ torch operators and their Python entry points.
 
 The operators (`torch.ops.arborlm.*`, sources in `csrc/`), each what a library call could not do
 as fast on a CPU (figures: docs/performance.md, "CPU kernels"; `benchmarks/cpu_kernels.py`):
@@ -22,19 +22,12 @@ as fast on a CPU (figures: docs/performance.md, "CPU kernels"; `benchmarks/cpu_k
 - `quant_linear`: a linear computed from a GGUF tensor's packed blocks (Q8_0, Q4_0/1, Q5_0/1,
   Q4_K, Q5_K, Q6_K): weights dequantized in registers against float activations (AVX-512 FMA
   or AVX512-BF16), AVX512-VNNI integer dot products on activations quantized per block (AVX2's
-  byte products without AVX-512), batches through oneDNN on weights dequantized a chunk at a
+  byte products without AVX-512), batches in AMX tiles on weights dequantized 32 rows at a
   time where the CPU has AMX, or a portable scalar path (`quant_path(rows)` says which).
 
-The operators live in one extension, built on first use with torch's extension builder (a C++
-compiler and ninja; tens of seconds, cached on disk after) and traced by `torch.compile` as
-opaque calls. The build runs in ArborLM's cache directory (`build_dir()`, under
-`$ARBORLM_CACHE_DIR` or ~/.cache/arborlm) while holding an `fcntl.flock` on a file next to it:
-the kernel releases that lock when its holder dies, however it dies, so a build killed midway
-(an OOM kill) never blocks a later start. torch's builder has a lock of its own, a plain `lock`
-file in the build directory that outlives a killed builder and makes every later build wait for
-it forever; whoever holds the flock is the only builder, so a `lock` file found then is stale,
-and the half-built directory is removed and built afresh. A build that fails leaves the library
-kernels serving, with a warning.
+The operators live in one extension, built on first use (`kernel_build`: torch's extension
+builder, tens of seconds, cached on disk after) and traced by `torch.compile` as opaque calls.
+A build that fails leaves the library kernels serving, with a warning.
 
 `available(dtype)`, `attention_available(dtype)` and `elementwise_available(dtype)` say whether
 they run here: the instructions (`capabilities`) and a build that succeeded; otherwise callers
@@ -43,32 +36,15 @@ keep their library path. `ARBORLM_CPU_KERNELS=0` turns them off (to compare).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
 import os
-import shutil
 import threading
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from arborlm.runtime.platforms.cpu import capabilities
+from arborlm.runtime.platforms.cpu import capabilities, kernel_build
 
 logger = logging.getLogger(__name__)
-
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("panel_gemm.cpp", "decode_attention.cpp", "elementwise.cpp",
-                                    "packed_linear.cpp", "decode_step.cpp",
-                                    "prefill_attention.cpp", "quant_linear.cpp", "quant_wide.cpp",
-                                    "quant_amx.cpp", "thread_pool.cpp")]
-# The cache entry's name carries a hash of every source and header: the builder itself hashes
-# only the .cpp files it is given, so a changed header would otherwise reuse a stale build.
-EXTENSION_NAME = "arborlm_cpu_kernels_" + hashlib.sha256(
-    b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:12]
 
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet; else whether the operator is registered
@@ -118,77 +94,10 @@ def attention_fits(dtype: torch.dtype, group: int, head_dim: int) -> bool:
         and head_dim % 16 == 0 and 0 < head_dim <= 256
 
 
-def build_dir() -> Path:
-    """Where the extension is built and cached: one directory per version of the sources."""
-    from arborlm.runtime.models.factory import cache_root
-
-    return cache_root() / "cpu_kernels" / EXTENSION_NAME
-
-
 def build() -> bool:
     """Build (or load the cached build of) the operators; whether they are registered. A
     failure is logged once and leaves the library kernels serving."""
     return packed_linear_available()
-
-
-@contextlib.contextmanager
-def _build_lock(directory: Path) -> Iterator[None]:
-    """Hold an exclusive `flock` on `<directory>.lock` (the kernel drops it when this process
-    dies); say who holds it while waiting, and write this pid into it once held."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f"{directory.name}.lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            logger.warning("waiting for pid %s, which is building ArborLM's CPU kernels in %s",
-                           holder, directory)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _load_extension() -> None:
-    from torch.utils.cpp_extension import load
-
-    _find_ninja()
-    directory = build_dir()
-    with _build_lock(directory):
-        if (directory / "lock").exists():
-            logger.warning("removing %s: a build of ArborLM's CPU kernels died there midway "
-                           "(torch's lock file is left); building afresh", directory)
-            shutil.rmtree(directory)
-        sources = _copy_sources(directory)
-        start = time.monotonic()
-        logger.info("loading ArborLM's CPU kernels from %s (compiled on first use, ~20 s; "
-                    "cached)", directory)
-        load(EXTENSION_NAME, [str(s) for s in sources], extra_cflags=["-O3", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-             build_directory=str(directory))
-        logger.info("ArborLM's CPU kernels loaded in %.1f s", time.monotonic() - start)
-
-
-def _copy_sources(directory: Path) -> list[Path]:
-    """The sources as built: copied into `directory/src` once (the directory is named by their
-    hash, so the copy never goes stale). Built from there, the build's commands name the same
-    paths whichever checkout or install loads them, so ninja never rebuilds a cached build
-    because another checkout of the same sources asked for it."""
-    src = directory / "src"
-    if not src.is_dir():
-        staging = directory / "src.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for f in CSRC.glob("*.[ch]*"):
-            shutil.copy2(f, staging / f.name)
-        staging.rename(src)
-    return [src / s.name for s in SOURCES]
 
 
 def _build() -> bool:
@@ -197,7 +106,7 @@ def _build() -> bool:
         if _built is not None:
             return _built
         try:
-            _load_extension()
+            kernel_build.load_extension()
         except Exception as exc:  # no compiler, no ninja, a read-only cache: keep the library path
             logger.warning("ArborLM's CPU kernels could not be built (%s); the library "
                            "kernels serve instead", exc)
@@ -216,18 +125,6 @@ def _build() -> bool:
         torch.library.register_fake("arborlm::quant_linear")(_quant_linear_shape)
         _built = True
         return True
-
-
-def _find_ninja() -> None:
-    """Put the `ninja` package's binary on PATH when none is there (a virtualenv not activated:
-    torch's builder runs `ninja` by name)."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _decode_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
